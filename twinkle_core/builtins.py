@@ -1,0 +1,92 @@
+"""The core's own plugin: built-ins registered through the same hooks as any third-party plugin."""
+
+from __future__ import annotations
+
+from twinkle_core.hookspecs import hookimpl
+from twinkle_core.records import (
+    AcceleratorRecord,
+    LossRecord,
+    MetricRecord,
+    OptimizerRecord,
+    PrecisionRecord,
+    SchedulerRecord,
+    SourceRecord,
+    StrategyRecord,
+    TaskRecord,
+)
+from twinkle_core.sources.base import split_uri
+
+
+@hookimpl
+def twinkle_register_strategies():
+    yield StrategyRecord("single", "twinkle_core.strategy:SingleProcessStrategy", "one process, no parallelism")
+
+
+@hookimpl
+def twinkle_register_precisions():
+    yield PrecisionRecord("no", "twinkle_core.precision:FullPrecision", "fp32")
+    yield PrecisionRecord("bf16", "twinkle_core.precision:BF16Precision", "bfloat16 autocast")
+    yield PrecisionRecord("fp16", "twinkle_core.precision:FP16Precision", "float16 autocast + loss scaling")
+    yield PrecisionRecord("fp8", "twinkle_core.precision:FP8Precision", "float8 linears (torchao), GPUs sm89+")
+
+
+@hookimpl
+def twinkle_register_losses():
+    yield LossRecord("cross_entropy", "twinkle_core.loss.cross_entropy:CrossEntropyLoss")
+    yield LossRecord("chunked_cross_entropy", "twinkle_core.loss.cross_entropy:ChunkedCrossEntropyLoss")
+    yield LossRecord("dpo", "twinkle_core.loss.dpo:DPOLoss", "DPO (sigmoid / ipo / hinge)")
+    yield LossRecord("grpo", "twinkle_core.loss.grpo:GRPOLoss")
+    yield LossRecord("dapo", "twinkle_core.loss.grpo:DAPOLoss", "decoupled clip, token-level aggregation")
+    yield LossRecord("dr_grpo", "twinkle_core.loss.grpo:DrGRPOLoss")
+    yield LossRecord("gkd", "twinkle_core.loss.gkd:GKDLoss", "generalised JSD against a teacher")
+    yield LossRecord("mse", "twinkle_core.loss.mse:MSELoss")
+
+
+@hookimpl
+def twinkle_register_tasks():
+    yield TaskRecord("causal_lm", "twinkle_core.tasks.causal_lm:CausalLMTask", "pre-training and (multi-turn) SFT")
+
+
+@hookimpl
+def twinkle_register_sources():
+    yield SourceRecord("local", "twinkle_core.sources.local:LocalSource", "a directory on disk")
+    yield SourceRecord("hf", "twinkle_core.sources.hub:HuggingFaceSource", "hf://org/name (huggingface_hub)")
+    yield SourceRecord("ms", "twinkle_core.sources.modelscope:ModelScopeSource", "ms://org/name (modelscope)")
+
+
+@hookimpl(trylast=True)
+def twinkle_select_source(uri, sources):
+    return sources.get(split_uri(uri)[0])
+
+
+@hookimpl
+def twinkle_register_accelerators():
+    yield AcceleratorRecord("cpu", "twinkle_core.accelerator:CPUAccelerator")
+    yield AcceleratorRecord("cuda", "twinkle_core.accelerator:CUDAAccelerator")
+
+
+@hookimpl(trylast=True)
+def twinkle_select_accelerator(accelerators):
+    for name in ("cuda", "cpu"):
+        record = accelerators.get(name)
+        if record is not None and record.load().is_available():
+            return record
+    return None
+
+
+@hookimpl
+def twinkle_register_optimizers():
+    for name in ("AdamW", "Adam", "SGD", "Adagrad", "RMSprop"):
+        yield OptimizerRecord(name, f"torch.optim:{name}")
+
+
+@hookimpl
+def twinkle_register_schedulers():
+    for name in ("constant", "linear", "cosine"):
+        yield SchedulerRecord(name, f"twinkle_core.optim:{name}")
+
+
+@hookimpl
+def twinkle_register_metrics():
+    yield MetricRecord("loss", "twinkle_core.metrics:LossMetric")
+    yield MetricRecord("accuracy", "twinkle_core.metrics:TokenAccuracy")

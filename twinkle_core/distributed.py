@@ -1,0 +1,69 @@
+"""Small helpers over ``torch.distributed`` that also work in a single process."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_main_process() -> bool:
+    return rank() == 0
+
+
+def init_process_group(backend: str, timeout_s: float = 600.0) -> bool:
+    """Join the job started by torchrun (no-op for one process or when already joined)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return True
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(value: Any, group: Any = None) -> Any:
+    """Sum a tensor (in place) over ``group``; returns the tensor. Identity without a process group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    return value
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]

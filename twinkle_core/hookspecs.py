@@ -1,0 +1,203 @@
+"""Every Twinkle extension point, as pluggy hook specifications.
+
+Registration hooks (``twinkle_register_*``) return an iterable of typed records that point at
+implementations lazily; every plugin's records are collected. Selection hooks
+(``twinkle_select_*``) use ``firstresult=True``: the first plugin that answers wins.
+
+A plugin is a module (or object) with functions marked ``@twinkle_core.hookimpl``, exposed
+through the ``twinkle`` entry-point group::
+
+    [project.entry-points.twinkle]
+    my_plugin = "my_package.twinkle_plugin"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from twinkle_core.records import (
+        AcceleratorRecord,
+        ConformanceTarget,
+        LossRecord,
+        MetricRecord,
+        ModelRecord,
+        OptimizerRecord,
+        PrecisionRecord,
+        SchedulerRecord,
+        SourceRecord,
+        StrategyRecord,
+        TaskRecord,
+    )
+
+PROJECT_NAME = "twinkle"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def twinkle_register_models() -> Iterable[ModelRecord]:
+    """Register ``TwinkleModel`` classes.
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_models():
+            yield ModelRecord("TransformersModel", "twinkle_backend_hf.model:TransformersModel")
+    """
+
+
+@hookspec
+def twinkle_register_strategies() -> Iterable[StrategyRecord]:
+    """Register parallel strategies by name.
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_strategies():
+            yield StrategyRecord("ddp", "twinkle_backend_hf.strategies.ddp:DDPStrategy")
+    """
+
+
+@hookspec
+def twinkle_register_precisions() -> Iterable[PrecisionRecord]:
+    """Register precision modes (``no``, ``bf16``, ``fp16``, ``fp8``).
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_precisions():
+            yield PrecisionRecord("fp8", "my_pkg.precision:TransformerEngineFP8")
+    """
+
+
+@hookspec
+def twinkle_register_losses() -> Iterable[LossRecord]:
+    """Register losses.
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_losses():
+            yield LossRecord("infonce", "twinkle_embedding.loss:InfoNCELoss")
+    """
+
+
+@hookspec
+def twinkle_register_tasks() -> Iterable[TaskRecord]:
+    """Register tasks (``causal_lm``, ``embedding``, ``vlm`` ...).
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_tasks():
+            yield TaskRecord("embedding", "twinkle_embedding.task:EmbeddingTask")
+    """
+
+
+@hookspec
+def twinkle_register_sources() -> Iterable[SourceRecord]:
+    """Register model sources; ``name`` is the URI scheme they handle (``ms``, ``hf``).
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_sources():
+            yield SourceRecord("s3", "my_pkg.sources:S3Source")
+    """
+
+
+@hookspec(firstresult=True)
+def twinkle_select_source(uri: str, sources: dict[str, SourceRecord]) -> SourceRecord | None:
+    """Pick the source that resolves ``uri``; return ``None`` to let another plugin decide.
+
+    The core answers last, by URI scheme (``ms://``, ``hf://``) or as a local path.
+
+    Example::
+
+        @hookimpl(tryfirst=True)
+        def twinkle_select_source(uri, sources):
+            if uri.startswith("s3://"):
+                return sources["s3"]
+    """
+
+
+@hookspec
+def twinkle_register_accelerators() -> Iterable[AcceleratorRecord]:
+    """Register accelerators (device type + collective backend).
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_accelerators():
+            yield AcceleratorRecord("npu", "twinkle_backend_npu.accelerator:NPUAccelerator")
+    """
+
+
+@hookspec(firstresult=True)
+def twinkle_select_accelerator(accelerators: dict[str, AcceleratorRecord]) -> AcceleratorRecord | None:
+    """Return the accelerator present on this machine, or ``None``. ``cpu`` answers last.
+
+    Example::
+
+        @hookimpl
+        def twinkle_select_accelerator(accelerators):
+            import importlib.util
+            if importlib.util.find_spec("torch_npu"):
+                return accelerators["npu"]
+    """
+
+
+@hookspec
+def twinkle_register_optimizers() -> Iterable[OptimizerRecord]:
+    """Register optimizers by name for ``set_optimizer("AdamW", lr=...)``.
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_optimizers():
+            yield OptimizerRecord("Lion", "my_pkg.optim:Lion")
+    """
+
+
+@hookspec
+def twinkle_register_schedulers() -> Iterable[SchedulerRecord]:
+    """Register learning-rate schedulers by name for ``set_lr_scheduler("cosine", ...)``.
+
+    ``impl`` is a callable ``(optimizer, **kwargs) -> torch.optim.lr_scheduler.LRScheduler``.
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_schedulers():
+            yield SchedulerRecord("wsd", "my_pkg.sched:warmup_stable_decay")
+    """
+
+
+@hookspec
+def twinkle_register_metrics() -> Iterable[MetricRecord]:
+    """Register metrics by name for ``add_metric("accuracy")``.
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_metrics():
+            yield MetricRecord("perplexity", "my_pkg.metrics:Perplexity")
+    """
+
+
+@hookspec
+def twinkle_register_conformance_targets() -> Iterable[ConformanceTarget]:
+    """Register factories the conformance suite (``pytest --twinkle-backend NAME``) runs against.
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_conformance_targets():
+            yield ConformanceTarget("hf", "twinkle_backend_hf.testing:make_tiny_model")
+            yield ConformanceTarget("hf-ddp", "twinkle_backend_hf.testing:make_tiny_model",
+                                    options={"strategy": "ddp"}, world_size=2)
+    """

@@ -1,0 +1,78 @@
+"""Training metrics accumulated over micro-batches and reduced over data-parallel ranks."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+
+class Metric(ABC):
+    """Accumulates sums during micro-batches; ``compute`` turns the (globally summed) totals into values.
+
+    ``totals()`` returns named float sums so the model can all-reduce them in one go.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    @abstractmethod
+    def update(self, inputs: dict[str, Any], outputs: dict[str, Any], loss_output: Any) -> None: ...
+
+    @abstractmethod
+    def totals(self) -> dict[str, float]: ...
+
+    @abstractmethod
+    def compute(self, totals: dict[str, float]) -> dict[str, float]: ...
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+
+class LossMetric(Metric):
+    """Token-weighted mean loss over everything since the last reset."""
+
+    name = "loss"
+
+    def reset(self) -> None:
+        self.loss_sum = 0.0
+        self.tokens = 0.0
+
+    def update(self, inputs: dict[str, Any], outputs: dict[str, Any], loss_output: Any) -> None:
+        if loss_output is not None:
+            self.loss_sum += float(loss_output.loss.detach())
+            self.tokens += float(loss_output.num_tokens)
+
+    def totals(self) -> dict[str, float]:
+        return {"loss_sum": self.loss_sum, "tokens": self.tokens}
+
+    def compute(self, totals: dict[str, float]) -> dict[str, float]:
+        tokens = totals["tokens"]
+        return {"loss": totals["loss_sum"] / tokens if tokens else float("nan"), "tokens": tokens}
+
+
+class TokenAccuracy(Metric):
+    """Share of label tokens (``labels != -100``) that the argmax of the shifted logits predicts."""
+
+    name = "accuracy"
+
+    def reset(self) -> None:
+        self.correct = 0.0
+        self.total = 0.0
+
+    def update(self, inputs: dict[str, Any], outputs: dict[str, Any], loss_output: Any) -> None:
+        logits, labels = outputs.get("logits"), inputs.get("labels")
+        if logits is None or labels is None:
+            return
+        predicted = logits[..., :-1, :].argmax(-1)
+        target = labels[..., 1:].to(predicted.device)
+        mask = target != -100
+        self.correct += float((predicted.eq(target) & mask).sum())
+        self.total += float(mask.sum())
+
+    def totals(self) -> dict[str, float]:
+        return {"correct": self.correct, "total": self.total}
+
+    def compute(self, totals: dict[str, float]) -> dict[str, float]:
+        return {"accuracy": totals["correct"] / totals["total"] if totals["total"] else float("nan")}

@@ -1,0 +1,120 @@
+"""The ``TwinkleModel`` training API that every backend implements.
+
+Every method takes an optional ``adapter_name``: ``None`` means the model itself (full
+fine-tuning, or the only adapter); a name scopes the call to that adapter's weights, optimizer,
+scheduler, loss and counters.
+
+A training step, the long way and the short way::
+
+    model.set_optimizer("AdamW", lr=1e-4)
+    model.set_lr_scheduler("cosine", num_training_steps=100, num_warmup_steps=10)
+    for batch in loader:
+        model.forward_backward(inputs=batch)        # forward + calculate_loss + backward
+        model.clip_grad_and_step(max_grad_norm=1.0)  # clip_grad_norm + step + zero_grad + lr_step
+
+Gradient accumulation is exact: losses are sums over tokens and gradients are divided by the global
+token count of all accumulated micro-batches (over all data-parallel ranks) before clipping.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+
+class TwinkleModel(ABC):
+    # ------------------------------------------------------------------ compute
+    @abstractmethod
+    def forward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
+        """Training-mode forward that keeps the graph for a later ``calculate_loss`` / ``backward``."""
+
+    @abstractmethod
+    def forward_only(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
+                     **kwargs: Any) -> dict[str, Any]:
+        """Evaluation forward without gradients."""
+
+    @abstractmethod
+    def calculate_loss(self, *, inputs: dict[str, Any] | None = None, outputs: dict[str, Any] | None = None,
+                       adapter_name: str | None = None, **kwargs: Any) -> Any:
+        """Apply the adapter's loss to ``outputs`` (default: the last ``forward``). Returns ``LossOutput``."""
+
+    @abstractmethod
+    def backward(self, *, loss: Any = None, adapter_name: str | None = None, **kwargs: Any) -> None:
+        """Back-propagate ``loss`` (default: the last ``calculate_loss``) and count its tokens."""
+
+    @abstractmethod
+    def forward_backward(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
+                         **kwargs: Any) -> dict[str, Any]:
+        """``forward`` + ``calculate_loss`` + ``backward``; the outputs carry ``loss`` (mean) and ``num_tokens``."""
+
+    # ------------------------------------------------------------------ optimisation
+    @abstractmethod
+    def clip_grad_norm(self, max_grad_norm: float = 1.0, norm_type: float = 2.0, *,
+                       adapter_name: str | None = None) -> float:
+        """Normalise accumulated gradients, clip them to ``max_grad_norm``; return the norm *before* clipping."""
+
+    @abstractmethod
+    def step(self, *, adapter_name: str | None = None) -> None:
+        """Apply the optimizer."""
+
+    @abstractmethod
+    def zero_grad(self, *, adapter_name: str | None = None) -> None: ...
+
+    @abstractmethod
+    def lr_step(self, *, adapter_name: str | None = None) -> None:
+        """Advance the learning-rate scheduler."""
+
+    @abstractmethod
+    def clip_grad_and_step(self, max_grad_norm: float | None = 1.0, norm_type: float = 2.0, *,
+                           adapter_name: str | None = None) -> float | None:
+        """``clip_grad_norm`` + ``step`` + ``zero_grad`` + ``lr_step`` once every
+        ``gradient_accumulation_steps`` calls (see ``set_optimizer``); returns the norm or ``None``."""
+
+    # ------------------------------------------------------------------ configuration
+    @abstractmethod
+    def set_loss(self, loss: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        """A registered name, a ``Loss`` class, an instance, or a callable ``fn(outputs, inputs)``."""
+
+    @abstractmethod
+    def set_optimizer(self, optimizer: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        """A registered name (``"AdamW"``), an optimizer class, or an instance.
+
+        ``gradient_accumulation_steps=N`` in ``kwargs`` sets how many ``clip_grad_and_step`` calls make one step.
+        """
+
+    @abstractmethod
+    def set_lr_scheduler(self, scheduler: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        """A registered name (``"cosine"``), a scheduler class, or an instance."""
+
+    @abstractmethod
+    def add_adapter_to_model(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+        """Add a trainable adapter (LoRA ...) named ``adapter_name``."""
+
+    # ------------------------------------------------------------------ state
+    @abstractmethod
+    def save(self, name: str, *, output_dir: str, adapter_name: str | None = None,
+             save_optimizer: bool = True, extra_state: dict[str, Any] | None = None) -> str:
+        """Write ``output_dir/name`` atomically; return its path."""
+
+    @abstractmethod
+    def load(self, path: str, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        """Load weights (full model or adapter) written by ``save``."""
+
+    @abstractmethod
+    def resume_from_checkpoint(self, path: str, *, adapter_name: str | None = None) -> dict[str, Any]:
+        """Restore weights, optimizer, scheduler, RNG and counters; return the saved ``extra_state``."""
+
+    @abstractmethod
+    def get_state_dict(self, *, adapter_name: str | None = None) -> dict[str, Any]:
+        """The full (unsharded) weights of the model or of one adapter."""
+
+    @abstractmethod
+    def add_metric(self, metric: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None: ...
+
+    @abstractmethod
+    def calculate_metric(self, *, adapter_name: str | None = None, reset: bool = True) -> dict[str, float]:
+        """Aggregate the metrics of the micro-batches since the last call (over all data-parallel ranks)."""
+
+    @abstractmethod
+    def get_train_configs(self, *, adapter_name: str | None = None) -> dict[str, Any]:
+        """A plain-dict description of the model, strategy, precision, optimizer, scheduler, loss and step."""

@@ -1,0 +1,124 @@
+"""The parallel-strategy contract: how a module is wrapped, how gradients are synchronised and
+how weights and optimizer state are gathered for checkpoints.
+
+The core ships ``single`` (one process). Backends register ``ddp``, ``native_fsdp``,
+``deepspeed``, ``megatron`` ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from abc import ABC
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from twinkle_core import distributed
+from twinkle_core.mesh import DeviceMesh
+
+if TYPE_CHECKING:
+    import torch
+
+    from twinkle_core.accelerator import Accelerator
+
+
+class Strategy(ABC):
+    """Defaults implement one process; subclasses override what their parallelism changes."""
+
+    name: ClassVar[str] = ""
+    #: True when the wrapped module averages gradients over data-parallel ranks (DDP, FSDP).
+    averages_gradients: ClassVar[bool] = False
+
+    def __init__(self, mesh: DeviceMesh | None = None, **options: Any) -> None:
+        self.mesh = mesh
+        self.options = options
+        self.accelerator: Accelerator | None = None
+
+    # ------------------------------------------------------------------ process group
+    def setup(self, accelerator: Accelerator) -> None:
+        """Join the process group and validate the mesh against the world size."""
+        self.accelerator = accelerator
+        distributed.init_process_group(accelerator.dist_backend)
+        accelerator.set_device()
+        if self.mesh is None:
+            self.mesh = DeviceMesh.infer(distributed.world_size())
+        self.mesh.validate(distributed.world_size())
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.data_parallel_size if self.mesh else 1
+
+    @property
+    def dp_group(self) -> Any:
+        """Process group over which data-parallel ranks are reduced (``None`` = world)."""
+        return None
+
+    @property
+    def is_main_process(self) -> bool:
+        return distributed.is_main_process()
+
+    def barrier(self) -> None:
+        distributed.barrier()
+
+    # ------------------------------------------------------------------ module
+    def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    def unwrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    def no_sync(self, module: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Context in which backward does not synchronise gradients (accumulation micro-steps)."""
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ gradients
+    def global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum ``value`` over the data-parallel ranks."""
+        return distributed.all_reduce_sum(value, group=self.dp_group)
+
+    def gradient_scale(self, global_tokens: float) -> float:
+        """Factor that turns the wrapped module's gradients into d(sum loss / global tokens)."""
+        factor = self.dp_size if self.averages_gradients else 1
+        return factor / max(global_tokens, 1.0)
+
+    def backward(self, loss: torch.Tensor, module: torch.nn.Module) -> None:
+        loss.backward()
+
+    def clip_grad_norm(self, parameters: list[torch.nn.Parameter], max_norm: float,
+                       norm_type: float = 2.0) -> torch.Tensor:
+        """Clip in place and return the total norm before clipping."""
+        import torch
+
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    # ------------------------------------------------------------------ checkpoints
+    def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The unsharded state dict (complete on the main process)."""
+        return self.unwrap_module(module).state_dict()
+
+    def optimizer_state_dict(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    def shards_optimizer_state(self) -> bool:
+        """True when each rank must save its own optimizer shard."""
+        return False
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "mesh": self.mesh.to_dict() if self.mesh else None, **self.options}
+
+
+class SingleProcessStrategy(Strategy):
+    name = "single"
+
+    def setup(self, accelerator: Accelerator) -> None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from twinkle_core.errors import ConfigError
+
+            raise ConfigError(
+                "strategy 'single' runs one process, but WORLD_SIZE > 1; choose a parallel strategy such as "
+                "'ddp' or 'native_fsdp' (pip install twinkle-backend-hf)"
+            )
+        super().setup(accelerator)
