@@ -48,6 +48,11 @@ class Strategy(ABC):
         return self.mesh.data_parallel_size if self.mesh else 1
 
     @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks (ranks with the same index see the same data)."""
+        return distributed.rank() // max(1, distributed.world_size() // self.dp_size)
+
+    @property
     def dp_group(self) -> Any:
         """Process group over which data-parallel ranks are reduced (``None`` = world)."""
         return None
@@ -66,34 +71,74 @@ class Strategy(ABC):
     def unwrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
 
+    def prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Adapt a batch before the forward (sequence parallelism shards it here)."""
+        return inputs
+
     def no_sync(self, module: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         """Context in which backward does not synchronise gradients (accumulation micro-steps)."""
         return contextlib.nullcontext()
+
+    def prepare_optimizer(self, module: torch.nn.Module,
+                          optimizer: torch.optim.Optimizer) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Called once the optimizer exists (built from the *wrapped* module's parameters).
+
+        Engines that own the optimizer (DeepSpeed) return their engine and wrapped optimizer here.
+        """
+        return module, optimizer
 
     # ------------------------------------------------------------------ gradients
     def global_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum ``value`` over the data-parallel ranks."""
         return distributed.all_reduce_sum(value, group=self.dp_group)
 
+    @property
+    def gradient_average_size(self) -> int:
+        """How many ranks the wrapped module averages gradients over (1 when it sums or does not sync)."""
+        return self.dp_size if self.averages_gradients else 1
+
     def gradient_scale(self, global_tokens: float) -> float:
         """Factor that turns the wrapped module's gradients into d(sum loss / global tokens)."""
-        factor = self.dp_size if self.averages_gradients else 1
-        return factor / max(global_tokens, 1.0)
+        return self.gradient_average_size / max(global_tokens, 1.0)
 
     def backward(self, loss: torch.Tensor, module: torch.nn.Module) -> None:
         loss.backward()
 
-    def clip_grad_norm(self, parameters: list[torch.nn.Parameter], max_norm: float,
+    def scale_gradients(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        parameters: list[torch.nn.Parameter], factor: float) -> None:
+        """Multiply the accumulated gradients by ``factor`` (once per optimizer step)."""
+        for p in parameters:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    def clip_grad_norm(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       parameters: list[torch.nn.Parameter], max_norm: float,
                        norm_type: float = 2.0) -> torch.Tensor:
-        """Clip in place and return the total norm before clipping."""
+        """Clip in place and return the total norm before clipping (``max_norm=inf`` only measures)."""
         import torch
 
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def optimizer_step(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Any) -> bool:
+        """Apply the optimizer through the precision's scaler; False when the step was skipped."""
+        return precision.step(optimizer)
+
+    def zero_grad(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  parameters: list[torch.nn.Parameter]) -> None:
+        for p in parameters:
+            p.grad = None
 
     # ------------------------------------------------------------------ checkpoints
     def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The unsharded state dict (complete on the main process)."""
         return self.unwrap_module(module).state_dict()
+
+    def load_state_dict(self, module: torch.nn.Module, state_dict: dict[str, torch.Tensor],
+                        strict: bool = True) -> None:
+        """Load a full (unsharded) state dict into the possibly sharded module."""
+        missing, unexpected = self.unwrap_module(module).load_state_dict(state_dict, strict=False)
+        if strict and (missing or unexpected):
+            raise KeyError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
     def optimizer_state_dict(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return optimizer.state_dict()

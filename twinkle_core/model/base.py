@@ -87,6 +87,10 @@ class TwinkleModel(ABC):
         """A registered name (``"cosine"``), a scheduler class, or an instance."""
 
     @abstractmethod
+    def trainable_parameters(self, *, adapter_name: str | None = None) -> list[Any]:
+        """The parameters an optimizer for ``adapter_name`` (or the full model) updates."""
+
+    @abstractmethod
     def add_adapter_to_model(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
         """Add a trainable adapter (LoRA ...) named ``adapter_name``."""
 

@@ -1,0 +1,460 @@
+"""The ``TwinkleModel`` contract implemented once for any ``torch.nn.Module``.
+
+Backends subclass :class:`TorchTwinkleModel` and supply only what differs between them: how the
+network is built, run, given adapters, and written to / read from disk. Strategy (parallelism)
+and precision are plugins chosen by name, so no backend repeats the training-state machinery.
+
+Gradient normalisation: every loss returns a *sum* and the number of units it summed over. The
+sums are back-propagated as they come; before clipping or stepping, the gradients are multiplied
+once by ``strategy.gradient_scale(global_tokens)``, where ``global_tokens`` is the token count of
+all accumulated micro-batches summed over the data-parallel ranks. That is what makes 4
+micro-batches of 2 give the same update as one batch of 8.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import os
+from abc import abstractmethod
+from typing import Any
+
+import torch
+
+from twinkle_core import checkpoint
+from twinkle_core.accelerator import current_accelerator
+from twinkle_core.errors import ConfigError
+from twinkle_core.loss.base import CallableLoss, Loss, LossOutput
+from twinkle_core.mesh import DeviceMesh
+from twinkle_core.metrics import LossMetric, Metric
+from twinkle_core.model.base import TwinkleModel
+from twinkle_core.model.train_state import TrainState
+from twinkle_core.optim import build_optimizer, build_scheduler
+from twinkle_core.plugins import get_plugins
+from twinkle_core.precision import Precision
+from twinkle_core.strategy import Strategy
+
+FULL_MODEL = ""  # the TrainState key of full fine-tuning (no adapter)
+
+
+class TorchTwinkleModel(TwinkleModel):
+    """Generic torch implementation. Subclasses implement the ``_`` hooks at the bottom."""
+
+    #: batch keys passed to the network; everything else (labels, advantages ...) is for the loss
+    model_input_keys: tuple[str, ...] = ("input_ids", "attention_mask", "position_ids")
+
+    def __init__(self, *, strategy: str | Strategy = "single", strategy_options: dict[str, Any] | None = None,
+                 mesh: DeviceMesh | dict[str, int] | None = None, precision: str | Precision = "no",
+                 task: Any = None, tokenizer: Any = None, seed: int = 42, **unused: Any) -> None:
+        if unused:
+            raise ConfigError(f"{type(self).__name__} got unknown option(s) {sorted(unused)}")
+        plugins = get_plugins()
+        self.accelerator = current_accelerator()
+        self.precision = plugins.load("precision", precision)() if isinstance(precision, str) else precision
+        self.precision.check_supported(self.accelerator)
+        if isinstance(mesh, dict):
+            mesh = DeviceMesh(**mesh)
+        self.strategy = (plugins.load("strategy", strategy)(mesh=mesh, **(strategy_options or {}))
+                         if isinstance(strategy, str) else strategy)
+        self.strategy.setup(self.accelerator)
+        self.device = self.accelerator.device()
+        self.task = task
+        self.tokenizer = tokenizer
+        self.seed = seed
+        torch.manual_seed(seed)  # identical initial weights on every rank
+        module = self._build_module()
+        self.module = self.precision.prepare_module(module).to(self.device)
+        self._wrapped: torch.nn.Module | None = None
+        self._states: dict[str, TrainState] = {FULL_MODEL: self._new_state(FULL_MODEL)}
+        self._adapters: dict[str, Any] = {}
+
+    # ================================================================== backend hooks
+    @abstractmethod
+    def _build_module(self) -> torch.nn.Module:
+        """Build the network on CPU (weights initialised or loaded)."""
+
+    def _run_module(self, module: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Run the network on the model's inputs; return at least ``logits``."""
+        out = module(**{k: v for k, v in inputs.items() if k in self.model_input_keys})
+        return dict(out) if not isinstance(out, dict) else out
+
+    def _add_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+        raise ConfigError(f"{type(self).__name__} does not support adapters")
+
+    def _remove_adapter(self, adapter_name: str) -> None:
+        raise ConfigError(f"{type(self).__name__} does not support removing adapters")
+
+    def _adapter_context(self, adapter_name: str | None) -> contextlib.AbstractContextManager[Any]:
+        """Make ``adapter_name`` (``None``: no adapter) the active one for the next forward."""
+        return contextlib.nullcontext()
+
+    def _adapter_parameter_names(self, adapter_name: str) -> list[str]:
+        """Names (in ``self.module.named_parameters()``) of the adapter's trainable weights."""
+        raise ConfigError(f"{type(self).__name__} does not support adapters")
+
+    @abstractmethod
+    def _export(self, directory: str, state_dict: dict[str, torch.Tensor], adapter_name: str | None) -> None:
+        """Write ``state_dict`` (model or adapter weights, full names) in the backend's public format."""
+
+    @abstractmethod
+    def _import(self, directory: str, adapter_name: str | None) -> dict[str, torch.Tensor]:
+        """Read weights written by ``_export`` back as a state dict keyed like ``self.module``."""
+
+    def _describe(self) -> dict[str, Any]:
+        return {"class": type(self).__name__}
+
+    # ================================================================== helpers
+    def _new_state(self, name: str) -> TrainState:
+        state = TrainState(name=name)
+        state.metrics.append(LossMetric())
+        return state
+
+    def _resolve_name(self, adapter_name: str | None) -> str:
+        if adapter_name is not None:
+            if adapter_name not in self._adapters:
+                raise ConfigError(f"no adapter named {adapter_name!r}; adapters: {sorted(self._adapters) or 'none'}"
+                                  f" (add one with add_adapter_to_model)")
+            return adapter_name
+        if len(self._adapters) == 1:
+            return next(iter(self._adapters))
+        if len(self._adapters) > 1:
+            raise ConfigError(f"the model has several adapters {sorted(self._adapters)}; pass adapter_name=")
+        return FULL_MODEL
+
+    def _state(self, adapter_name: str | None) -> TrainState:
+        return self._states[self._resolve_name(adapter_name)]
+
+    def trainable_parameters(self, *, adapter_name: str | None = None) -> list[torch.nn.Parameter]:
+        self.wrapped  # parameters are final only once the strategy has wrapped (sharded) the module
+        return self._parameters(self._resolve_name(adapter_name))
+
+    def _parameters(self, name: str) -> list[torch.nn.Parameter]:
+        if name == FULL_MODEL:
+            return [p for p in self.module.parameters() if p.requires_grad]
+        wanted = set(self._adapter_parameter_names(name))
+        return [p for n, p in self.module.named_parameters() if n in wanted]
+
+    @property
+    def wrapped(self) -> torch.nn.Module:
+        """The module as the strategy runs it (wrapped on first use, so adapters can be added first)."""
+        if self._wrapped is None:
+            self._wrapped = self.strategy.wrap_module(self.module)
+        return self._wrapped
+
+    def _to_device(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+    def _compute(self, inputs: dict[str, Any], adapter_name: str | None) -> dict[str, Any]:
+        name = self._resolve_name(adapter_name)
+        with self._adapter_context(name or None), self.precision.autocast(self.device.type):
+            return self._run_module(self.wrapped, inputs)
+
+    # ================================================================== compute
+    def forward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
+        state = self._state(adapter_name)
+        inputs = self._to_device(self.strategy.prepare_inputs(dict(inputs)))
+        self.wrapped.train()
+        outputs = self._compute(inputs, adapter_name)
+        state.last_inputs, state.last_outputs = inputs, outputs
+        return outputs
+
+    def forward_only(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
+                     **kwargs: Any) -> dict[str, Any]:
+        self._state(adapter_name)
+        inputs = self._to_device(self.strategy.prepare_inputs(dict(inputs)))
+        module = self.wrapped
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                return self._compute(inputs, adapter_name)
+        finally:
+            module.train(was_training)
+
+    def calculate_loss(self, *, inputs: dict[str, Any] | None = None, outputs: dict[str, Any] | None = None,
+                       adapter_name: str | None = None, **kwargs: Any) -> LossOutput:
+        state = self._state(adapter_name)
+        inputs = state.last_inputs if inputs is None else self._to_device(inputs)
+        outputs = state.last_outputs if outputs is None else outputs
+        if inputs is None or outputs is None:
+            raise ConfigError("calculate_loss needs outputs: call forward(inputs=...) first or pass outputs=")
+        if state.loss is None:
+            default = getattr(self.task, "default_loss", "") or "cross_entropy"
+            self.set_loss(default, adapter_name=adapter_name)
+        result = state.loss(outputs, inputs)
+        if not isinstance(result, LossOutput):
+            raise TypeError(f"loss {state.loss!r} returned {type(result).__name__}; expected LossOutput")
+        for metric in state.metrics:
+            metric.update(inputs, outputs, result)
+        state.last_loss = result
+        return result
+
+    def backward(self, *, loss: Any = None, adapter_name: str | None = None, **kwargs: Any) -> None:
+        state = self._state(adapter_name)
+        loss = state.last_loss if loss is None else loss
+        if loss is None:
+            raise ConfigError("backward needs a loss: call calculate_loss first or pass loss=")
+        if not isinstance(loss, LossOutput):
+            loss = LossOutput(loss=loss, num_tokens=1)
+        sync = (state.backward_calls + 1) % state.gradient_accumulation_steps == 0
+        context = contextlib.nullcontext() if sync else self.strategy.no_sync(self.wrapped)
+        with context:
+            self.strategy.backward(self.precision.scale_loss(loss.loss), self.wrapped)
+        state.backward_calls += 1
+        state.pending_tokens += float(loss.num_tokens)
+        state.gradients_normalised = False
+        state.last_inputs = state.last_outputs = None  # free the graph's inputs early
+
+    def forward_backward(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
+                         **kwargs: Any) -> dict[str, Any]:
+        outputs = self.forward(inputs=inputs, adapter_name=adapter_name)
+        loss = self.calculate_loss(adapter_name=adapter_name)
+        self.backward(loss=loss, adapter_name=adapter_name)
+        return {**outputs, "loss": loss.mean.detach(), "num_tokens": loss.num_tokens, **loss.metrics}
+
+    # ================================================================== optimisation
+    def _require_optimizer(self, state: TrainState, action: str) -> Any:
+        if state.optimizer is None:
+            who = f"adapter_name={state.name!r}" if state.name else "the model"
+            raise ConfigError(f"{action} needs an optimizer for {who}: call set_optimizer('AdamW', lr=...) first")
+        return state.optimizer
+
+    def _normalise_gradients(self, state: TrainState) -> None:
+        if state.gradients_normalised:
+            return
+        optimizer = self._require_optimizer(state, "step")
+        tokens = self.strategy.global_sum(torch.tensor(state.pending_tokens, dtype=torch.float64,
+                                                       device=self.device))
+        self.precision.unscale_(optimizer)
+        self.strategy.scale_gradients(self.wrapped, optimizer, self._parameters(state.name),
+                                      self.strategy.gradient_scale(float(tokens)))
+        state.gradients_normalised = True
+
+    def clip_grad_norm(self, max_grad_norm: float = 1.0, norm_type: float = 2.0, *,
+                       adapter_name: str | None = None) -> float:
+        state = self._state(adapter_name)
+        self._normalise_gradients(state)
+        limit = math.inf if max_grad_norm is None else float(max_grad_norm)
+        norm = self.strategy.clip_grad_norm(self.wrapped, state.optimizer, self._parameters(state.name),
+                                            limit, norm_type)
+        state.last_grad_norm = float(norm)
+        return state.last_grad_norm
+
+    def step(self, *, adapter_name: str | None = None) -> None:
+        state = self._state(adapter_name)
+        optimizer = self._require_optimizer(state, "step")
+        self._normalise_gradients(state)
+        if state.last_grad_norm is not None and not math.isfinite(state.last_grad_norm):
+            # A NaN/inf gradient would poison the weights: skip the update, keep training.
+            state.skipped_steps += 1
+        elif not self.strategy.optimizer_step(self.wrapped, optimizer, self.precision):
+            state.skipped_steps += 1
+        state.step += 1
+
+    def zero_grad(self, *, adapter_name: str | None = None) -> None:
+        state = self._state(adapter_name)
+        self.strategy.zero_grad(self.wrapped, state.optimizer, self._parameters(state.name))
+        state.reset_accumulation()
+
+    def lr_step(self, *, adapter_name: str | None = None) -> None:
+        state = self._state(adapter_name)
+        if state.scheduler is not None:
+            state.scheduler.step()
+
+    def clip_grad_and_step(self, max_grad_norm: float | None = 1.0, norm_type: float = 2.0, *,
+                           adapter_name: str | None = None) -> float | None:
+        state = self._state(adapter_name)
+        state.accumulated_calls += 1
+        if state.accumulated_calls < state.gradient_accumulation_steps:
+            return None
+        state.accumulated_calls = 0
+        norm = self.clip_grad_norm(max_grad_norm, norm_type, adapter_name=adapter_name)
+        self.step(adapter_name=adapter_name)
+        self.zero_grad(adapter_name=adapter_name)
+        self.lr_step(adapter_name=adapter_name)
+        return norm
+
+    # ================================================================== configuration
+    def set_loss(self, loss: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        state = self._state(adapter_name)
+        if isinstance(loss, str):
+            state.loss_spec = {"name": loss, **kwargs}
+            loss = get_plugins().load("loss", loss)
+        else:
+            state.loss_spec = {"name": getattr(loss, "name", None) or repr(loss), **kwargs}
+        if inspect.isclass(loss) and issubclass(loss, Loss):
+            loss = loss(**kwargs)
+        elif kwargs:
+            raise ConfigError(f"set_loss got options {sorted(kwargs)} with an instance or callable; "
+                              f"pass a loss name or class to configure it")
+        if not isinstance(loss, Loss):
+            if not callable(loss):
+                raise ConfigError(f"cannot use {loss!r} as a loss: pass a registered name, a Loss class, "
+                                  f"an instance or a callable")
+            loss = CallableLoss(loss)
+        state.loss = loss
+
+    def set_optimizer(self, optimizer: Any, *, adapter_name: str | None = None,
+                      gradient_accumulation_steps: int = 1, **kwargs: Any) -> None:
+        state = self._state(adapter_name)
+        if gradient_accumulation_steps < 1:
+            raise ConfigError("gradient_accumulation_steps must be >= 1")
+        module = self.wrapped
+        built = build_optimizer(optimizer, self._parameters(state.name), **kwargs)
+        wrapped, built = self.strategy.prepare_optimizer(module, built)
+        self._wrapped = wrapped
+        state.optimizer = built
+        state.gradient_accumulation_steps = gradient_accumulation_steps
+        state.optimizer_spec = {"name": optimizer if isinstance(optimizer, str) else type(built).__name__,
+                                **{k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, bool))}}
+
+    def set_lr_scheduler(self, scheduler: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        state = self._state(adapter_name)
+        optimizer = self._require_optimizer(state, "set_lr_scheduler")
+        state.scheduler = build_scheduler(scheduler, optimizer, **kwargs)
+        state.scheduler_spec = {"name": scheduler if isinstance(scheduler, str) else type(state.scheduler).__name__,
+                                **{k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, bool))}}
+
+    def add_adapter_to_model(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+        if not adapter_name or adapter_name in self._adapters:
+            raise ConfigError(f"adapter name {adapter_name!r} is empty or already in use")
+        if self._wrapped is not None and self._wrapped is not self.module:
+            raise ConfigError("add adapters before the first forward or set_optimizer: the strategy has already "
+                              "wrapped the model")
+        self._add_adapter(adapter_name, config, **kwargs)
+        self._adapters[adapter_name] = config
+        self._states[adapter_name] = self._new_state(adapter_name)
+
+    def remove_adapter(self, adapter_name: str) -> None:
+        self._resolve_name(adapter_name)
+        self._remove_adapter(adapter_name)
+        del self._adapters[adapter_name]
+        del self._states[adapter_name]
+
+    # ================================================================== metrics
+    def add_metric(self, metric: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        state = self._state(adapter_name)
+        if isinstance(metric, str):
+            metric = get_plugins().load("metric", metric)
+        if inspect.isclass(metric):
+            metric = metric(**kwargs)
+        if not isinstance(metric, Metric):
+            raise ConfigError(f"cannot use {metric!r} as a metric: pass a registered name, a Metric class or instance")
+        state.metrics.append(metric)
+
+    def calculate_metric(self, *, adapter_name: str | None = None, reset: bool = True) -> dict[str, float]:
+        state = self._state(adapter_name)
+        keys, values = [], []
+        for i, metric in enumerate(state.metrics):
+            for key, value in metric.totals().items():
+                keys.append((i, key))
+                values.append(value)
+        summed = self.strategy.global_sum(torch.tensor(values, dtype=torch.float64, device=self.device)).tolist()
+        per_metric: list[dict[str, float]] = [{} for _ in state.metrics]
+        for (i, key), value in zip(keys, summed):
+            per_metric[i][key] = value
+        result: dict[str, float] = {}
+        for metric, totals in zip(state.metrics, per_metric):
+            result.update(metric.compute(totals))
+            if reset:
+                metric.reset()
+        if state.optimizer is not None:
+            result["lr"] = float(state.optimizer.param_groups[0]["lr"])
+        result["step"] = state.step
+        return result
+
+    def get_train_configs(self, *, adapter_name: str | None = None) -> dict[str, Any]:
+        several = adapter_name is None and len(self._adapters) > 1
+        state = self._states[FULL_MODEL] if several else self._state(adapter_name)
+        return {
+            **self._describe(),
+            "adapter_name": state.name or None,
+            "adapter_config": self._adapters.get(state.name),
+            "adapters": sorted(self._adapters),
+            "strategy": self.strategy.describe(),
+            "precision": self.precision.name,
+            "accelerator": self.accelerator.name,
+            "optimizer": state.optimizer_spec or None,
+            "lr_scheduler": state.scheduler_spec or None,
+            "loss": state.loss_spec or None,
+            "gradient_accumulation_steps": state.gradient_accumulation_steps,
+            "metrics": [type(m).__name__ for m in state.metrics],
+            "dp_rank": self.strategy.dp_rank,
+            "dp_size": self.strategy.dp_size,
+            "trainable_parameters": sum(p.numel() for p in self._parameters(state.name)),
+            **state.counters(),
+        }
+
+    # ================================================================== state
+    def get_state_dict(self, *, adapter_name: str | None = None) -> dict[str, Any]:
+        name = self._resolve_name(adapter_name)
+        full = self.strategy.full_state_dict(self.wrapped)
+        if name == FULL_MODEL:
+            return full
+        wanted = set(self._adapter_parameter_names(name))
+        return {k: v for k, v in full.items() if k in wanted}
+
+    def save(self, name: str, *, output_dir: str, adapter_name: str | None = None, save_optimizer: bool = True,
+             extra_state: dict[str, Any] | None = None) -> str:
+        state = self._state(adapter_name)
+        final = os.path.join(output_dir, name)
+        weights = self.get_state_dict(adapter_name=adapter_name)
+        is_main = self.strategy.is_main_process
+        with checkpoint.atomic_directory(final, is_main=is_main,
+                                         metadata={"adapter_name": state.name or None, "step": state.step}) as tmp:
+            if is_main:
+                self._export(tmp, weights, state.name or None)
+            if save_optimizer and state.optimizer is not None:
+                self._save_training_state(tmp, state, extra_state)
+        return final
+
+    def _save_training_state(self, directory: str, state: TrainState, extra_state: dict[str, Any] | None) -> None:
+        from twinkle_core import distributed
+
+        state_dir = os.path.join(directory, checkpoint.STATE_DIR)
+        rank = distributed.rank()
+        if self.strategy.is_main_process:
+            os.makedirs(state_dir, exist_ok=True)
+        self.strategy.barrier()
+        optimizer_state = self.strategy.optimizer_state_dict(self.wrapped, state.optimizer)
+        if self.strategy.shards_optimizer_state() or self.strategy.is_main_process:
+            suffix = f"-rank{rank}" if self.strategy.shards_optimizer_state() else ""
+            torch.save(optimizer_state, os.path.join(state_dir, f"optimizer{suffix}.pt"))
+        torch.save(checkpoint.capture_rng_state(), os.path.join(state_dir, f"rng-rank{rank}.pt"))
+        if self.strategy.is_main_process:
+            torch.save({
+                "counters": state.counters(),
+                "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
+                "precision": self.precision.state_dict(),
+                "extra_state": extra_state or {},
+                "configs": self.get_train_configs(adapter_name=state.name or None),
+            }, os.path.join(state_dir, "trainer_state.pt"))
+
+    def load(self, path: str, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        name = self._resolve_name(adapter_name)
+        weights = self._import(path, name or None)
+        self.strategy.load_state_dict(self.wrapped, weights, strict=name == FULL_MODEL)
+
+    def resume_from_checkpoint(self, path: str, *, adapter_name: str | None = None) -> dict[str, Any]:
+        from twinkle_core import distributed
+
+        if not checkpoint.is_complete(path):
+            raise FileNotFoundError(f"{path} is not a complete Twinkle checkpoint (no {checkpoint.MARKER})")
+        state = self._state(adapter_name)
+        optimizer = self._require_optimizer(state, "resume_from_checkpoint")
+        self.load(path, adapter_name=adapter_name)
+        state_dir = os.path.join(path, checkpoint.STATE_DIR)
+        trainer = torch.load(os.path.join(state_dir, "trainer_state.pt"), weights_only=False)
+        suffix = f"-rank{distributed.rank()}" if self.strategy.shards_optimizer_state() else ""
+        optimizer_state = torch.load(os.path.join(state_dir, f"optimizer{suffix}.pt"), weights_only=False)
+        self.strategy.load_optimizer_state_dict(self.wrapped, optimizer, optimizer_state)
+        if trainer["scheduler"] is not None and state.scheduler is not None:
+            state.scheduler.load_state_dict(trainer["scheduler"])
+        self.precision.load_state_dict(trainer["precision"])
+        state.load_counters(trainer["counters"])
+        state.reset_accumulation()
+        rng_path = os.path.join(state_dir, f"rng-rank{distributed.rank()}.pt")
+        if os.path.exists(rng_path):
+            checkpoint.restore_rng_state(torch.load(rng_path, weights_only=False))
+        return trainer["extra_state"]

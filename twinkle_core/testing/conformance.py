@@ -1,0 +1,353 @@
+"""The ``TwinkleModel`` conformance suite: the contract every backend must pass unchanged.
+
+Run it against a registered target::
+
+    pytest --pyargs twinkle_core.testing.conformance --twinkle-backend hf
+    torchrun --nproc-per-node 2 -m pytest --pyargs twinkle_core.testing.conformance --twinkle-backend hf-ddp
+
+or subclass :class:`ModelContract` in a backend's tests and override the ``twinkle_factory`` fixture.
+
+A factory is ``factory(*, seed: int = 0, **options) -> TwinkleModel`` building a tiny causal LM
+whose vocabulary has :data:`CONFORMANCE_VOCAB_SIZE` tokens and that accepts the LoRA adapter config
+:data:`LORA_CONFIG`. Under several ranks, every rank runs every test; ranks of the same data-parallel
+index get the same rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from typing import Any
+
+import pytest
+
+CONFORMANCE_VOCAB_SIZE = 64
+LORA_CONFIG: dict[str, Any] = {"type": "lora", "r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+
+
+def make_batch(seed: int, rows: int = 8, length: int = 12, vocab: int = CONFORMANCE_VOCAB_SIZE) -> dict[str, Any]:
+    """Random token rows whose labels mask a prompt of varying length (so token counts differ per row)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab, (rows, length), generator=g)
+    labels = input_ids.clone()
+    prompt = torch.randint(1, length - 2, (rows,), generator=g)
+    for i in range(rows):
+        labels[i, : int(prompt[i])] = -100
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+
+
+def rows(batch: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
+    return {k: v[start:stop] for k, v in batch.items()}
+
+
+def local_rows(model: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    """This data-parallel rank's share of a global batch."""
+    cfg = model.get_train_configs()
+    n = batch["input_ids"].shape[0] // cfg["dp_size"]
+    return rows(batch, cfg["dp_rank"] * n, (cfg["dp_rank"] + 1) * n)
+
+
+def assert_state_equal(a: dict[str, Any], b: dict[str, Any], atol: float = 0.0) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    for key in a:
+        if atol == 0.0:
+            assert torch.equal(a[key].cpu(), b[key].cpu()), key
+        else:
+            torch.testing.assert_close(a[key].cpu(), b[key].cpu(), atol=atol, rtol=0, msg=key)
+
+
+def snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
+class ModelContract:
+    """The contract tests. Needs a ``twinkle_factory`` fixture and a ``twinkle_shared_dir`` fixture."""
+
+    # ------------------------------------------------------------------ compute
+    def test_forward_returns_logits(self, twinkle_factory):
+        model = twinkle_factory(seed=0)
+        batch = local_rows(model, make_batch(0))
+        out = model.forward(inputs=batch)
+        logits = out["logits"]
+        assert tuple(logits.shape) == (*batch["input_ids"].shape, CONFORMANCE_VOCAB_SIZE)
+        assert logits.requires_grad
+
+    def test_forward_only_matches_forward_without_grad(self, twinkle_factory):
+        import torch
+
+        model = twinkle_factory(seed=0)
+        batch = local_rows(model, make_batch(1))
+        evaluated = model.forward_only(inputs=batch)["logits"]
+        assert not evaluated.requires_grad
+        trained = model.forward(inputs=batch)["logits"]
+        torch.testing.assert_close(evaluated.float(), trained.detach().float(), atol=1e-5, rtol=1e-5)
+
+    def test_step_by_step_equals_forward_backward(self, twinkle_factory):
+        batch = make_batch(2)
+        a, b = twinkle_factory(seed=0), twinkle_factory(seed=0)
+        for m in (a, b):
+            m.set_optimizer("SGD", lr=0.1)
+        a.forward_backward(inputs=local_rows(a, batch))
+        b.forward(inputs=local_rows(b, batch))
+        loss = b.calculate_loss()
+        assert float(loss.num_tokens) > 0
+        b.backward(loss=loss)
+        assert a.clip_grad_norm(math.inf) == pytest.approx(b.clip_grad_norm(math.inf), rel=1e-6)
+        for m in (a, b):
+            m.step()
+            m.zero_grad()
+        assert_state_equal(snapshot(a.get_state_dict()), snapshot(b.get_state_dict()), atol=1e-6)
+
+    # ------------------------------------------------------------------ clipping
+    def test_clip_grad_norm_returns_true_norm_and_clips(self, twinkle_factory):
+        model = twinkle_factory(seed=0)
+        model.set_optimizer("SGD", lr=0.1)
+        model.forward_backward(inputs=local_rows(model, make_batch(3)))
+        norm = model.clip_grad_norm(max_grad_norm=math.inf)
+        assert math.isfinite(norm) and norm > 0, f"clip_grad_norm returned {norm}"
+        params = model.trainable_parameters()
+        plain = [p.grad for p in params if p.grad is not None and type(p.grad).__name__ == "Tensor"]
+        if len(plain) == len(params) and model.get_train_configs()["dp_size"] == 1:
+            import torch
+
+            direct = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in plain])))
+            assert norm == pytest.approx(direct, rel=1e-5)
+        clipped = model.clip_grad_norm(max_grad_norm=norm / 4)
+        assert clipped == pytest.approx(norm, rel=1e-5), "clip_grad_norm must return the norm before clipping"
+        assert model.clip_grad_norm(max_grad_norm=math.inf) == pytest.approx(norm / 4, rel=1e-3), \
+            "clip_grad_norm did not clip to max_grad_norm"
+
+    def test_max_grad_norm_changes_the_update(self, twinkle_factory):
+        batch = make_batch(4)
+        free, clipped = twinkle_factory(seed=0), twinkle_factory(seed=0)
+        before = snapshot(free.get_state_dict())
+        for m, limit in ((free, 1e6), (clipped, 1e-3)):
+            m.set_optimizer("SGD", lr=1.0)
+            m.forward_backward(inputs=local_rows(m, batch))
+            m.clip_grad_and_step(max_grad_norm=limit)
+        moved_free = _distance(before, snapshot(free.get_state_dict()))
+        moved_clipped = _distance(before, snapshot(clipped.get_state_dict()))
+        assert moved_clipped == pytest.approx(1e-3, rel=1e-2), moved_clipped
+        assert moved_free > moved_clipped * 10
+
+    # ------------------------------------------------------------------ configuration
+    def test_optimizer_by_name_class_and_instance(self, twinkle_factory):
+        import torch
+
+        by_name, by_class, by_instance = (twinkle_factory(seed=0) for _ in range(3))
+        by_name.set_optimizer("SGD", lr=0.05)
+        by_class.set_optimizer(torch.optim.SGD, lr=0.05)
+        by_instance.set_optimizer(torch.optim.SGD(by_instance.trainable_parameters(), lr=0.05))
+        batch = make_batch(5)
+        for m in (by_name, by_class, by_instance):
+            m.forward_backward(inputs=local_rows(m, batch))
+            m.clip_grad_and_step(max_grad_norm=None)
+        reference = snapshot(by_name.get_state_dict())
+        assert_state_equal(reference, snapshot(by_class.get_state_dict()), atol=1e-6)
+        assert_state_equal(reference, snapshot(by_instance.get_state_dict()), atol=1e-6)
+        assert by_name.get_train_configs()["optimizer"]["name"] == "SGD"
+
+    @pytest.mark.parametrize("how", ["name", "class", "instance"])
+    def test_scheduler_by_name_class_and_instance(self, twinkle_factory, how):
+        import torch
+
+        model = twinkle_factory(seed=0)
+        if how == "instance":
+            optimizer = torch.optim.SGD(model.trainable_parameters(), lr=0.1)
+            model.set_optimizer(optimizer)
+            model.set_lr_scheduler(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5))
+        else:
+            model.set_optimizer("SGD", lr=0.1)
+            if how == "name":
+                model.set_lr_scheduler("linear", num_training_steps=4)
+            else:
+                model.set_lr_scheduler(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
+        lrs = []
+        for _ in range(3):
+            model.forward_backward(inputs=local_rows(model, make_batch(6)))
+            model.clip_grad_and_step()
+            lrs.append(model.calculate_metric()["lr"])
+        assert lrs[0] > lrs[1] > lrs[2], lrs
+
+    def test_loss_by_name_class_instance_and_callable(self, twinkle_factory):
+        from twinkle_core.loss.base import Loss, LossOutput
+
+        class TokenSum(Loss):
+            def __call__(self, outputs, inputs):
+                logits = outputs["logits"].float()
+                mask = inputs["labels"] != -100
+                return LossOutput(loss=(logits.mean(-1) * mask).sum(), num_tokens=int(mask.sum()))
+
+        values = []
+        for spec in ("cross_entropy", TokenSum, TokenSum(), lambda outputs, inputs: TokenSum()(outputs, inputs)):
+            model = twinkle_factory(seed=0)
+            model.set_loss(spec)
+            out = model.forward_backward(inputs=local_rows(model, make_batch(7)))
+            values.append(float(out["loss"]))
+        assert math.isfinite(values[0]) and values[0] > 0
+        assert values[1] == pytest.approx(values[2], rel=1e-6) == pytest.approx(values[3], rel=1e-6)
+
+    def test_train_configs_describe_the_run(self, twinkle_factory):
+        model = twinkle_factory(seed=0)
+        model.set_optimizer("AdamW", lr=3e-4)
+        model.set_lr_scheduler("constant")
+        cfg = model.get_train_configs()
+        assert cfg["optimizer"]["name"] == "AdamW" and cfg["optimizer"]["lr"] == 3e-4
+        assert cfg["lr_scheduler"]["name"] == "constant"
+        assert cfg["step"] == 0 and cfg["dp_size"] >= 1
+
+    # ------------------------------------------------------------------ accumulation
+    def test_gradient_accumulation_is_exact(self, twinkle_factory):
+        batch = make_batch(8, rows=8)
+        whole, accumulated = twinkle_factory(seed=0), twinkle_factory(seed=0)
+        whole.set_optimizer("SGD", lr=0.5)
+        accumulated.set_optimizer("SGD", lr=0.5, gradient_accumulation_steps=4)
+        whole.forward_backward(inputs=local_rows(whole, batch))
+        norm_whole = whole.clip_grad_and_step(max_grad_norm=math.inf)
+        local = local_rows(accumulated, batch)
+        per = local["input_ids"].shape[0] // 4
+        norms = []
+        for i in range(4):
+            accumulated.forward_backward(inputs=rows(local, i * per, (i + 1) * per))
+            norms.append(accumulated.clip_grad_and_step(max_grad_norm=math.inf))
+        assert norms[:3] == [None, None, None]
+        assert norms[3] == pytest.approx(norm_whole, rel=1e-5)
+        assert_state_equal(snapshot(whole.get_state_dict()), snapshot(accumulated.get_state_dict()), atol=1e-6)
+
+    # ------------------------------------------------------------------ learning
+    def test_memorises_a_batch(self, twinkle_factory):
+        model = twinkle_factory(seed=0)
+        model.set_optimizer("AdamW", lr=1e-2)
+        batch = local_rows(model, make_batch(9, rows=4 * 1))
+        losses = []
+        for _ in range(30):
+            out = model.forward_backward(inputs=batch)
+            model.clip_grad_and_step(max_grad_norm=1.0)
+            losses.append(float(out["loss"]))
+        assert losses[-1] <= losses[0] / 2, losses
+
+    def test_metrics_aggregate_micro_batches(self, twinkle_factory):
+        model = twinkle_factory(seed=0)
+        model.add_metric("accuracy")
+        model.set_optimizer("SGD", lr=0.0)
+        batch = local_rows(model, make_batch(10))
+        half = batch["input_ids"].shape[0] // 2
+        losses, tokens = [], []
+        for part in (rows(batch, 0, half), rows(batch, half, 2 * half)):
+            out = model.forward_backward(inputs=part)
+            losses.append(float(out["loss"]) * float(out["num_tokens"]))
+            tokens.append(float(out["num_tokens"]))
+        metrics = model.calculate_metric()
+        assert 0.0 <= metrics["accuracy"] <= 1.0
+        if model.get_train_configs()["dp_size"] == 1:
+            assert metrics["loss"] == pytest.approx(sum(losses) / sum(tokens), rel=1e-5)
+        assert model.calculate_metric()["tokens"] == 0  # reset after reading
+
+    # ------------------------------------------------------------------ state
+    def test_save_load_round_trip(self, twinkle_factory, twinkle_shared_dir):
+        import torch
+
+        model = twinkle_factory(seed=0)
+        model.set_optimizer("AdamW", lr=1e-2)
+        batch = local_rows(model, make_batch(11))
+        model.forward_backward(inputs=batch)
+        model.clip_grad_and_step()
+        path = model.save("round-trip", output_dir=str(twinkle_shared_dir))
+        assert os.path.isdir(path)
+        fresh = twinkle_factory(seed=123)
+        assert not torch.equal(fresh.forward_only(inputs=batch)["logits"], model.forward_only(inputs=batch)["logits"])
+        fresh.load(path)
+        torch.testing.assert_close(fresh.forward_only(inputs=batch)["logits"],
+                                   model.forward_only(inputs=batch)["logits"], atol=0, rtol=0)
+
+    def test_resume_continues_exactly(self, twinkle_factory, twinkle_shared_dir):
+        batches = [make_batch(20 + i) for i in range(4)]
+
+        def run(model, steps):
+            out = []
+            for b in steps:
+                res = model.forward_backward(inputs=local_rows(model, b))
+                model.clip_grad_and_step(max_grad_norm=1.0)
+                out.append(float(res["loss"]))
+            return out
+
+        straight = twinkle_factory(seed=0)
+        straight.set_optimizer("AdamW", lr=1e-2)
+        straight.set_lr_scheduler("cosine", num_training_steps=4, num_warmup_steps=1)
+        expected = run(straight, batches)
+
+        first = twinkle_factory(seed=0)
+        first.set_optimizer("AdamW", lr=1e-2)
+        first.set_lr_scheduler("cosine", num_training_steps=4, num_warmup_steps=1)
+        run(first, batches[:2])
+        path = first.save("resume", output_dir=str(twinkle_shared_dir), extra_state={"position": 2})
+
+        resumed = twinkle_factory(seed=7)
+        resumed.set_optimizer("AdamW", lr=1e-2)
+        resumed.set_lr_scheduler("cosine", num_training_steps=4, num_warmup_steps=1)
+        extra = resumed.resume_from_checkpoint(path)
+        assert extra == {"position": 2}
+        assert resumed.get_train_configs()["step"] == 2
+        assert run(resumed, batches[2:]) == pytest.approx(expected[2:], rel=1e-6, abs=1e-7)
+
+    # ------------------------------------------------------------------ adapters
+    def test_adapters_are_isolated(self, twinkle_factory):
+        import torch
+
+        model = twinkle_factory(seed=0)
+        model.add_adapter_to_model("a", copy.deepcopy(LORA_CONFIG))
+        model.add_adapter_to_model("b", copy.deepcopy(LORA_CONFIG))
+        model.set_optimizer("AdamW", lr=1e-2, adapter_name="a")
+        model.set_optimizer("AdamW", lr=1e-2, adapter_name="b")
+        batch = local_rows(model, make_batch(12))
+        logits_b = model.forward_only(inputs=batch, adapter_name="b")["logits"].clone()
+        weights_b = snapshot(model.get_state_dict(adapter_name="b"))
+        weights_a = snapshot(model.get_state_dict(adapter_name="a"))
+        for _ in range(3):
+            model.forward_backward(inputs=batch, adapter_name="a")
+            model.clip_grad_and_step(adapter_name="a")
+        assert_state_equal(weights_b, snapshot(model.get_state_dict(adapter_name="b")))
+        torch.testing.assert_close(model.forward_only(inputs=batch, adapter_name="b")["logits"], logits_b,
+                                   atol=0, rtol=0)
+        changed = snapshot(model.get_state_dict(adapter_name="a"))
+        assert any(not torch.equal(changed[k], weights_a[k]) for k in changed)
+        assert model.get_train_configs(adapter_name="a")["step"] == 3
+        assert model.get_train_configs(adapter_name="b")["step"] == 0
+
+    def test_adapter_save_load_round_trip(self, twinkle_factory, twinkle_shared_dir):
+        import torch
+
+        model = twinkle_factory(seed=0)
+        model.add_adapter_to_model("tenant", copy.deepcopy(LORA_CONFIG))
+        model.set_optimizer("AdamW", lr=1e-2, adapter_name="tenant")
+        batch = local_rows(model, make_batch(13))
+        for _ in range(2):
+            model.forward_backward(inputs=batch, adapter_name="tenant")
+            model.clip_grad_and_step(adapter_name="tenant")
+        path = model.save("adapter", output_dir=str(twinkle_shared_dir), adapter_name="tenant")
+        other = twinkle_factory(seed=0)
+        other.add_adapter_to_model("tenant", copy.deepcopy(LORA_CONFIG))
+        other.load(path, adapter_name="tenant")
+        torch.testing.assert_close(other.forward_only(inputs=batch, adapter_name="tenant")["logits"],
+                                   model.forward_only(inputs=batch, adapter_name="tenant")["logits"],
+                                   atol=1e-6, rtol=1e-6)
+
+    def test_unknown_adapter_is_a_clear_error(self, twinkle_factory):
+        model = twinkle_factory(seed=0)
+        with pytest.raises(Exception, match="no adapter named 'missing'"):
+            model.forward(inputs=make_batch(0), adapter_name="missing")
+
+
+def _distance(a: dict[str, Any], b: dict[str, Any]) -> float:
+    import torch
+
+    return float(torch.sqrt(sum(((a[k].double() - b[k].double()) ** 2).sum() for k in a)))
+
+
+class TestModelContract(ModelContract):
+    """Collected when the suite runs with ``--pyargs twinkle_core.testing.conformance``."""
