@@ -79,8 +79,8 @@ class Strategy(ABC):
         """Context in which backward does not synchronise gradients (accumulation micro-steps)."""
         return contextlib.nullcontext()
 
-    def prepare_optimizer(self, module: torch.nn.Module,
-                          optimizer: torch.optim.Optimizer) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def prepare_optimizer(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                          gradient_accumulation_steps: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Called once the optimizer exists (built from the *wrapped* module's parameters).
 
         Engines that own the optimizer (DeepSpeed) return their engine and wrapped optimizer here.
@@ -140,16 +140,18 @@ class Strategy(ABC):
         if strict and (missing or unexpected):
             raise KeyError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
-    def optimizer_state_dict(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return optimizer.state_dict()
+    def save_optimizer_state(self, directory: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Write the optimizer state into ``directory`` (called on every rank; default: rank 0 writes one file)."""
+        import torch
 
-    def load_optimizer_state_dict(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                                  state: dict[str, Any]) -> None:
-        optimizer.load_state_dict(state)
+        state = optimizer.state_dict()
+        if self.is_main_process:
+            torch.save(state, os.path.join(directory, "optimizer.pt"))
 
-    def shards_optimizer_state(self) -> bool:
-        """True when each rank must save its own optimizer shard."""
-        return False
+    def load_optimizer_state(self, directory: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        import torch
+
+        optimizer.load_state_dict(torch.load(os.path.join(directory, "optimizer.pt"), weights_only=False))
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "mesh": self.mesh.to_dict() if self.mesh else None, **self.options}

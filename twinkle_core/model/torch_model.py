@@ -302,7 +302,8 @@ class TorchTwinkleModel(TwinkleModel):
             raise ConfigError("gradient_accumulation_steps must be >= 1")
         module = self.wrapped
         built = build_optimizer(optimizer, self._parameters(state.name), **kwargs)
-        wrapped, built = self.strategy.prepare_optimizer(module, built)
+        wrapped, built = self.strategy.prepare_optimizer(
+            module, built, gradient_accumulation_steps=gradient_accumulation_steps)
         self._wrapped = wrapped
         state.optimizer = built
         state.gradient_accumulation_steps = gradient_accumulation_steps
@@ -417,10 +418,7 @@ class TorchTwinkleModel(TwinkleModel):
         if self.strategy.is_main_process:
             os.makedirs(state_dir, exist_ok=True)
         self.strategy.barrier()
-        optimizer_state = self.strategy.optimizer_state_dict(self.wrapped, state.optimizer)
-        if self.strategy.shards_optimizer_state() or self.strategy.is_main_process:
-            suffix = f"-rank{rank}" if self.strategy.shards_optimizer_state() else ""
-            torch.save(optimizer_state, os.path.join(state_dir, f"optimizer{suffix}.pt"))
+        self.strategy.save_optimizer_state(state_dir, self.wrapped, state.optimizer)
         torch.save(checkpoint.capture_rng_state(), os.path.join(state_dir, f"rng-rank{rank}.pt"))
         if self.strategy.is_main_process:
             torch.save({
@@ -446,9 +444,7 @@ class TorchTwinkleModel(TwinkleModel):
         self.load(path, adapter_name=adapter_name)
         state_dir = os.path.join(path, checkpoint.STATE_DIR)
         trainer = torch.load(os.path.join(state_dir, "trainer_state.pt"), weights_only=False)
-        suffix = f"-rank{distributed.rank()}" if self.strategy.shards_optimizer_state() else ""
-        optimizer_state = torch.load(os.path.join(state_dir, f"optimizer{suffix}.pt"), weights_only=False)
-        self.strategy.load_optimizer_state_dict(self.wrapped, optimizer, optimizer_state)
+        self.strategy.load_optimizer_state(state_dir, self.wrapped, optimizer)
         if trainer["scheduler"] is not None and state.scheduler is not None:
             state.scheduler.load_state_dict(trainer["scheduler"])
         self.precision.load_state_dict(trainer["precision"])

@@ -1,0 +1,142 @@
+"""``TransformersModel``: any Hugging Face causal LM (or encoder) under the ``TwinkleModel`` API.
+
+Built from ``model_id`` (any source the core resolves: ``ms://``, ``hf://``, a local path) or from a
+``transformers`` config (random init). Full fine-tuning, or PEFT adapters via
+``add_adapter_to_model``. ``save()`` writes what ``AutoModelForCausalLM.from_pretrained`` (full
+weights, safetensors) or ``peft.PeftModel.from_pretrained`` (adapters) loads directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from twinkle_core.envflags import env_flag
+from twinkle_core.errors import ConfigError
+from twinkle_core.model.torch_model import TorchTwinkleModel
+from twinkle_backend_hf import adapters
+
+
+class TransformersModel(TorchTwinkleModel):
+    model_input_keys = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
+
+    def __init__(self, *, model_id: str | None = None, config: Any = None, revision: str | None = None,
+                 trust_remote_code: bool | None = None, attn_implementation: str | None = "sdpa",
+                 gradient_checkpointing: bool = False, auto_class: str | None = None,
+                 model_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if model_id is None and config is None:
+            raise ConfigError("TransformersModel needs model_id= (a path, hf:// or ms:// id) or config= "
+                              "(a transformers config or a dict with model_type)")
+        self.model_id, self.config_spec, self.revision = model_id, config, revision
+        self.trust_remote_code = (env_flag("TWINKLE_TRUST_REMOTE_CODE") if trust_remote_code is None
+                                  else bool(trust_remote_code))
+        self.attn_implementation = attn_implementation
+        self.gradient_checkpointing = gradient_checkpointing
+        self.auto_class = auto_class
+        self.model_kwargs = model_kwargs or {}
+        self.model_path: str | None = None
+        super().__init__(**kwargs)
+
+    # ------------------------------------------------------------------ building
+    def _auto_class(self) -> Any:
+        import transformers
+
+        name = self.auto_class or ("AutoModel" if getattr(self.task, "model_kind", "causal_lm") == "encoder"
+                                   else "AutoModelForCausalLM")
+        return getattr(transformers, name)
+
+    def _hf_config(self) -> Any:
+        import transformers
+
+        spec = self.config_spec
+        if isinstance(spec, transformers.PretrainedConfig):
+            return spec
+        spec = dict(spec)
+        model_type = spec.pop("model_type", None)
+        if not model_type:
+            raise ConfigError("model.config must name its model_type (e.g. qwen2, llama, qwen3_moe)")
+        return transformers.AutoConfig.for_model(model_type, **spec)
+
+    def _build_module(self) -> torch.nn.Module:
+        auto = self._auto_class()
+        common: dict[str, Any] = {"trust_remote_code": self.trust_remote_code, **self.model_kwargs}
+        if self.attn_implementation:
+            common["attn_implementation"] = self.attn_implementation
+        if self.model_id is not None:
+            from twinkle_core.sources.resolve import resolve_model
+
+            self.model_path = resolve_model(self.model_id, revision=self.revision)
+            extra = {"config": self._hf_config()} if self.config_spec is not None else {}
+            module = auto.from_pretrained(self.model_path, dtype=torch.float32, **extra, **common)
+        else:
+            module = auto.from_config(self._hf_config(), dtype=torch.float32, **common)
+        if self.gradient_checkpointing:
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(module, "enable_input_require_grads"):
+                module.enable_input_require_grads()
+        if getattr(module.config, "use_cache", None):
+            module.config.use_cache = False
+        return module
+
+    @property
+    def hf_model(self) -> Any:
+        """The underlying ``transformers`` model (inside PEFT's wrapper when adapters exist)."""
+        module = self.module
+        return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+    def _run_module(self, module: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        kwargs = {k: v for k, v in inputs.items() if k in self.model_input_keys}
+        if getattr(self.task, "model_kind", "causal_lm") == "causal_lm":
+            kwargs["use_cache"] = False
+        out = module(**kwargs)
+        return {k: v for k, v in out.items() if v is not None}
+
+    # ------------------------------------------------------------------ adapters
+    def _add_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+        self.module = adapters.add_adapter(self.module, adapter_name, adapters.to_peft_config(config))
+        self.module.to(self.device)
+
+    def _remove_adapter(self, adapter_name: str) -> None:
+        self.module.delete_adapter(adapter_name)
+
+    @contextlib.contextmanager
+    def _adapter_context(self, adapter_name: str | None) -> Iterator[None]:
+        if adapter_name is None:
+            yield
+            return
+        adapters.activate(self.module, adapter_name)
+        yield
+
+    def _adapter_parameter_names(self, adapter_name: str) -> list[str]:
+        return adapters.parameter_names(self.module, adapter_name)
+
+    # ------------------------------------------------------------------ disk
+    def _export(self, directory: str, state_dict: dict[str, torch.Tensor], adapter_name: str | None) -> None:
+        if adapter_name is not None:
+            adapters.save_adapter(self.module, adapter_name, state_dict, directory)
+        else:
+            self.hf_model.save_pretrained(directory, state_dict={k: v.detach().cpu() for k, v in state_dict.items()},
+                                          safe_serialization=True)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(directory)
+
+    def _import(self, directory: str, adapter_name: str | None) -> dict[str, torch.Tensor]:
+        if adapter_name is not None:
+            return adapters.load_adapter_state(self.module, adapter_name, directory)
+        # from_pretrained applies the same key conversions that save_pretrained undid, so the result is
+        # keyed like a freshly built module whatever the architecture's checkpoint layout.
+        loaded = self._auto_class().from_pretrained(directory, dtype=torch.float32,
+                                                    trust_remote_code=self.trust_remote_code)
+        prefix = "" if self.module is self.hf_model else "base_model.model."
+        return {prefix + k: v for k, v in loaded.state_dict().items()}
+
+    def _describe(self) -> dict[str, Any]:
+        config = self.hf_model.config
+        return {"class": type(self).__name__, "model_type": config.model_type, "model_id": self.model_id,
+                "vocab_size": config.vocab_size, "attn_implementation": self.attn_implementation,
+                "gradient_checkpointing": self.gradient_checkpointing,
+                "trust_remote_code": self.trust_remote_code}
+
