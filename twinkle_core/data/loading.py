@@ -1,0 +1,98 @@
+"""Read dataset files into rows (dicts).
+
+* ``.jsonl`` is parsed line by line here, so a malformed line raises
+  ``DataFormatError(path, line_number, reason)``; blank lines are skipped.
+* ``.json`` (a list of rows), ``.parquet`` and ``.csv`` go through ``datasets.load_dataset``
+  (imported lazily; ``pip install datasets``). Their "line" is the row index + 1 (for CSV, the
+  data row number, not counting the header).
+
+Rows are validated as they are read (:func:`validate_row`): a row must be an object, and a
+conversation row (``messages`` / ``conversations``) must have well-formed messages. Mode-specific
+checks (e.g. "the last message is from the assistant") happen when the row is encoded; use
+:func:`load_records` to keep each row's line number for those errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from twinkle_core.data.formats import RowError, Trajectory, is_conversation_row
+from twinkle_core.errors import DataFormatError
+
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+def validate_row(row: Any) -> None:
+    """Structural checks shared by every mode; raises :class:`RowError`."""
+    if not isinstance(row, dict):
+        raise RowError(f"a row must be a JSON object, got {type(row).__name__}")
+    if is_conversation_row(row):
+        Trajectory.from_dict(row, require_assistant_last=False)
+    elif "text" in row and row["text"] is not None and not isinstance(row["text"], str):
+        raise RowError(f"'text' must be a string, got {type(row['text']).__name__}")
+
+
+def _format_of(path: str) -> str:
+    lower = path.lower()
+    for suffix in SUFFIXES:
+        if lower.endswith(suffix):
+            return suffix[1:]
+    if lower.endswith(".ndjson"):
+        return "jsonl"
+    raise DataFormatError(path, None, f"unsupported file type; expected one of {', '.join(SUFFIXES)}")
+
+
+def _read_jsonl(path: str) -> list[tuple[int, Any]]:
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataFormatError(path, number, f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+            records.append((number, row))
+    return records
+
+
+def _read_with_datasets(path: str, kind: str) -> list[tuple[int, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataFormatError(path, None, f"reading .{kind} files needs the 'datasets' library: "
+                              "pip install datasets  (or pip install 'twinkle-core[data]')") from None
+    builder = "json" if kind == "json" else kind
+    try:
+        table = datasets.load_dataset(builder, data_files=os.path.abspath(path), split="train")
+    except Exception as exc:  # datasets/pyarrow raise many types for a bad file
+        raise DataFormatError(path, None, f"could not read the file as {kind}: {type(exc).__name__}: {exc}") from exc
+    return [(index + 1, row) for index, row in enumerate(table)]
+
+
+def load_records(path: str | os.PathLike[str],
+                 validate: Callable[[Any], None] | None = validate_row) -> list[tuple[int, dict[str, Any]]]:
+    """``[(line, row), ...]``; ``line`` is the 1-based line (jsonl) or row number (other formats)."""
+    path = os.fspath(path)
+    kind = _format_of(path)
+    if not os.path.isfile(path):
+        raise DataFormatError(path, None, "no such file")
+    records = _read_jsonl(path) if kind == "jsonl" else _read_with_datasets(path, kind)
+    if validate is not None:
+        for line, row in records:
+            try:
+                validate(row)
+            except RowError as exc:
+                raise DataFormatError(path, line, str(exc)) from None
+    return records
+
+
+def load_rows(path: str | os.PathLike[str], validate: Callable[[Any], None] | None = validate_row) -> list[dict[str, Any]]:
+    """Read ``path`` (.jsonl / .json / .parquet / .csv) into a list of validated rows."""
+    return [row for _, row in load_records(path, validate)]
+
+
+__all__ = ["SUFFIXES", "load_records", "load_rows", "validate_row"]

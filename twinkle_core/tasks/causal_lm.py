@@ -1,0 +1,234 @@
+"""The ``causal_lm`` task: pre-training on text and (multi-turn) SFT on conversations.
+
+Data options (``load_dataset`` keyword arguments; the recipe's ``task_options`` provide defaults):
+
+* ``mode``: ``"chat"`` (default; conversations, assistant turns trained) or ``"pretrain"``
+  (``{"text": ...}`` rows, every token trained)
+* ``max_length``: truncate samples to this many tokens (and the packing row length)
+* ``truncation``: ``"right"`` (default) or ``"error"``
+* ``packing``: pack several samples per row, padding-free (needs ``max_length``)
+* ``pad_to_multiple_of``: pad batch lengths up to a multiple (task option, used by ``collate``)
+
+Batches follow :mod:`twinkle_core.data.collate`: a padded batch has ``attention_mask``; a packed
+batch has ``position_ids`` and no ``attention_mask``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from twinkle_core.data.collate import collate_causal_lm
+from twinkle_core.data.formats import IGNORE_INDEX, InputFeature, RowError, Trajectory, is_conversation_row
+from twinkle_core.data.loading import load_records
+from twinkle_core.data.packing import pack_features
+from twinkle_core.data.template import Template
+from twinkle_core.errors import ConfigError, DataFormatError
+from twinkle_core.task import Task
+
+logger = logging.getLogger(__name__)
+
+
+def greedy_generate(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, pad_token_id: int,
+                    stop_token_ids: Sequence[int] = (), early_stop: bool = True) -> list[list[int]]:
+    """Greedy decoding without a KV cache through ``model.forward_only``.
+
+    Prompts are left-padded into one batch; the model gets ``input_ids``, ``attention_mask`` and
+    ``position_ids`` computed from the mask (so padded rows see the same positions as unpadded
+    ones). Returns the generated ids of each prompt, without the stop token. With
+    ``early_stop=False`` exactly ``max_new_tokens`` forward calls are made (keeps ranks of a
+    distributed model in lock step).
+    """
+    import torch
+
+    if not prompts:
+        return []
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("cannot generate from an empty prompt")
+    stop = set(int(s) for s in stop_token_ids)
+    width = max(len(p) for p in prompts)
+    batch = len(prompts)
+    input_ids = torch.full((batch, width), int(pad_token_id), dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+        attention_mask[row, width - len(prompt):] = 1
+    generated: list[list[int]] = [[] for _ in prompts]
+    finished = [False] * batch
+    for _ in range(max_new_tokens):
+        if early_stop and all(finished):
+            break
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        outputs = model.forward_only(inputs={"input_ids": input_ids, "attention_mask": attention_mask,
+                                             "position_ids": position_ids})
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+        next_tokens = logits[:, -1, :].float().argmax(dim=-1).detach().cpu()
+        for row in range(batch):
+            if finished[row]:
+                next_tokens[row] = int(pad_token_id)
+                continue
+            token = int(next_tokens[row])
+            if token in stop:
+                finished[row] = True
+            else:
+                generated[row].append(token)
+        input_ids = torch.cat([input_ids, next_tokens.view(batch, 1).to(torch.long)], dim=1)
+        attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+    return generated
+
+
+def _last_labelled_span(feature: InputFeature) -> tuple[int, int] | None:
+    labels = feature.labels
+    end = len(labels)
+    while end > 0 and labels[end - 1] == IGNORE_INDEX:
+        end -= 1
+    if end == 0:
+        return None
+    start = end
+    while start > 0 and labels[start - 1] != IGNORE_INDEX:
+        start -= 1
+    return start, end
+
+
+class CausalLMTask(Task):
+    name = "causal_lm"
+    default_loss = "cross_entropy"
+    model_kind = "causal_lm"
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.pad_token_id: int | None = None
+        self.template: Template | None = None
+
+    def _option(self, value: Any, key: str, default: Any) -> Any:
+        return value if value is not None else self.options.get(key, default)
+
+    # ------------------------------------------------------------------ data
+    def make_template(self, tokenizer: Any, *, max_length: int | None = None, mode: str | None = None,
+                      truncation: str | None = None) -> Template:
+        return Template(tokenizer, max_length=self._option(max_length, "max_length", None),
+                        mode=self._option(mode, "mode", "chat"),
+                        truncation=self._option(truncation, "truncation", "right"))
+
+    def load_dataset(self, path: Any, tokenizer: Any, *, max_length: int | None = None, mode: str | None = None,
+                     packing: bool | None = None, truncation: str | None = None,
+                     **data_options: Any) -> list[InputFeature]:
+        """Read ``path`` (a .jsonl/.json/.parquet/.csv file, or a list of rows) into features.
+
+        Bad rows raise :class:`~twinkle_core.errors.DataFormatError` naming the file and line.
+        """
+        if data_options:
+            raise ConfigError(f"unknown data option(s) for causal_lm: {', '.join(sorted(data_options))}; "
+                              "expected max_length, mode, packing, truncation")
+        packing = bool(self._option(packing, "packing", False))
+        template = self.make_template(tokenizer, max_length=max_length, mode=mode, truncation=truncation)
+        if packing and template.max_length is None:
+            raise ConfigError("packing=True needs max_length (the length of a packed row)")
+        self.template = template
+        self.pad_token_id = template.pad_token_id
+
+        if isinstance(path, (str, os.PathLike)):
+            source = os.fspath(path)
+            records = load_records(source)
+        else:
+            source = "<rows>"
+            records = [(i + 1, row) for i, row in enumerate(path)]
+        features = []
+        for line, row in records:
+            try:
+                features.append(template.encode(row))
+            except RowError as exc:
+                raise DataFormatError(source, line, str(exc)) from None
+        untrained = sum(1 for f in features if f.num_trained_tokens == 0)
+        if untrained:
+            logger.warning("%s: %d of %d samples have no trained token (truncated by max_length=%s?)",
+                           source, untrained, len(features), template.max_length)
+        if packing:
+            features = pack_features(features, template.max_length)
+        return features
+
+    def collate(self, features: list[Any]) -> dict[str, Any]:
+        if self.pad_token_id is None:
+            raise RuntimeError("CausalLMTask.collate needs the pad token id: call load_dataset first")
+        return collate_causal_lm(features, self.pad_token_id,
+                                 pad_to_multiple_of=self.options.get("pad_to_multiple_of"))
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_examples(self, dataset: Any, template: Template) -> list[tuple[list[int], str]]:
+        tokenizer = template.tokenizer
+        if isinstance(dataset, (str, os.PathLike)):
+            source = os.fspath(dataset)
+            records = load_records(source)
+        else:
+            source = "<rows>"
+            records = [(i + 1, row) for i, row in enumerate(dataset)]
+        examples = []
+        for line, row in records:
+            if isinstance(row, InputFeature):
+                if row.position_ids is not None:
+                    raise ValueError("evaluate needs unpacked samples; load the held-out set with packing=False")
+                span = _last_labelled_span(row)
+                if span is None:
+                    continue
+                start, end = span
+                answer = [t for t in row.input_ids[start:end] if t not in template.end_of_turn_ids]
+                examples.append((list(row.input_ids[:start]),
+                                 tokenizer.decode(answer, skip_special_tokens=True)))
+                continue
+            try:
+                if isinstance(row, Trajectory):
+                    trajectory = row
+                elif is_conversation_row(row):
+                    trajectory = Trajectory.from_dict(row, require_assistant_last=True)
+                else:
+                    raise RowError("evaluate needs conversation rows ('messages' or 'conversations') "
+                                   "ending with the reference assistant turn")
+                if trajectory.messages[-1].role != "assistant":
+                    raise RowError("the last message must be the reference assistant turn")
+                prompt = template.encode_prompt(trajectory.to_dicts()[:-1], tools=trajectory.extra.get("tools"))
+            except RowError as exc:
+                raise DataFormatError(source, line, str(exc)) from None
+            examples.append((prompt, trajectory.messages[-1].content))
+        return examples
+
+    def evaluate(self, model: Any, dataset: Any, tokenizer: Any, **options: Any) -> dict[str, float]:
+        """Exact match of greedy generations against the reference (last) assistant turns.
+
+        ``dataset``: a file path, a list of conversation rows / :class:`Trajectory`, or features
+        from ``load_dataset`` (prompt = tokens before the last trained span). Options:
+        ``max_new_tokens`` (32), ``limit`` (all), ``batch_size`` (8). Every rank evaluates the same
+        examples; in a multi-process run decoding always takes ``max_new_tokens`` steps.
+        """
+        from twinkle_core.distributed import world_size
+
+        unknown = set(options) - {"max_new_tokens", "limit", "batch_size"}
+        if unknown:
+            raise ConfigError(f"unknown evaluate option(s) for causal_lm: {', '.join(sorted(unknown))}")
+        max_new_tokens = int(options.get("max_new_tokens", 32))
+        limit = options.get("limit")
+        batch_size = int(options.get("batch_size", 8))
+        template = self.template
+        if template is None or template.tokenizer is not tokenizer or template.mode != "chat":
+            template = Template(tokenizer, mode="chat")
+        pad = template.pad_token_id
+        examples = self._eval_examples(dataset, template)
+        if limit is not None:
+            examples = examples[: int(limit)]
+        if not examples:
+            return {"exact_match": 0.0, "num_examples": 0}
+        early_stop = world_size() <= 1
+        correct = 0
+        for begin in range(0, len(examples), batch_size):
+            chunk = examples[begin:begin + batch_size]
+            outputs = greedy_generate(model, [prompt for prompt, _ in chunk], max_new_tokens=max_new_tokens,
+                                      pad_token_id=pad, stop_token_ids=sorted(template.end_of_turn_ids),
+                                      early_stop=early_stop)
+            for (_, reference), generated in zip(chunk, outputs, strict=True):
+                text = tokenizer.decode(generated, skip_special_tokens=True)
+                correct += int(text.strip() == reference.strip())
+        return {"exact_match": correct / len(examples), "num_examples": len(examples)}
+
+
+__all__ = ["CausalLMTask", "greedy_generate"]
