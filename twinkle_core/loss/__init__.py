@@ -1,4 +1,25 @@
-"""Losses built into the core. Import concrete losses from their modules (they need torch)."""
+"""Losses built into the core. Import concrete losses from their modules (they need torch).
+
+Every loss returns ``LossOutput(loss=<sum over units>, num_tokens=<number of units>)``; the model
+divides the accumulated gradients by the global ``num_tokens``. Registered names:
+
+==========================  =====================================================  ==============
+name                        class                                                  unit
+==========================  =====================================================  ==============
+``cross_entropy``           ``twinkle_core.loss.cross_entropy:CrossEntropyLoss``        label token
+``chunked_cross_entropy``   ``twinkle_core.loss.cross_entropy:ChunkedCrossEntropyLoss`` label token
+``dpo``                     ``twinkle_core.loss.dpo:DPOLoss`` (sigmoid / ipo / hinge)   pair
+``grpo``                    ``twinkle_core.loss.grpo:GRPOLoss``                         sequence
+``dapo``                    ``twinkle_core.loss.grpo:DAPOLoss``                         label token
+``dr_grpo``                 ``twinkle_core.loss.grpo:DrGRPOLoss``                       sequence
+``gkd``                     ``twinkle_core.loss.gkd:GKDLoss``                           label token
+``mse``                     ``twinkle_core.loss.mse:MSELoss``                           element
+==========================  =====================================================  ==============
+
+``reduction="mean"`` (cross entropy, MSE) returns the mean with ``num_tokens=1``. Per-token
+log-probabilities of the labels, with the shared shift convention and bounded memory, come from
+:func:`twinkle_core.loss.logprobs.token_logprobs`.
+"""
 
 from twinkle_core.loss.base import CallableLoss, Loss, LossOutput
 

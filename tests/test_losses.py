@@ -1,0 +1,529 @@
+"""Built-in losses against independent reference formulas (values and gradients).
+
+The references below are written out plainly: per-token loops over ``(b, t)`` with the
+log-softmax spelled as ``z - log(sum(exp(z)))``. They use none of the implementation's helpers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from twinkle_core.loss.base import LossOutput
+from twinkle_core.loss.cross_entropy import ChunkedCrossEntropyLoss, CrossEntropyLoss
+from twinkle_core.loss.dpo import DPOLoss
+from twinkle_core.loss.gkd import GKDLoss
+from twinkle_core.loss.grpo import DAPOLoss, DrGRPOLoss, GRPOLoss
+from twinkle_core.loss.logprobs import token_logprobs
+from twinkle_core.loss.mse import MSELoss
+
+IGNORE = -100
+DT = torch.float64
+
+
+# --------------------------------------------------------------------------- plain references
+
+
+def log_softmax_row(z: torch.Tensor) -> torch.Tensor:
+    return z - torch.log(torch.exp(z - z.max()).sum()) - z.max()
+
+
+def make_batch(b=3, t=6, v=7, seed=0, ignore_prefix=True, dtype=DT):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, t, v, generator=g, dtype=dtype).mul(2).requires_grad_(True)
+    labels = torch.randint(0, v, (b, t), generator=g)
+    labels[:, 0] = IGNORE  # the "prompt" start
+    if ignore_prefix:
+        for i in range(b):
+            labels[i, : 1 + (i % 3)] = IGNORE  # prompt lengths differ per row
+        labels[-1, -1] = IGNORE  # right padding on the last row
+    return logits, labels
+
+
+def naive_token_logps(logits, labels):
+    """{(b, t): log p(labels[b, t + 1] | logits[b, t])} over non-ignored labels."""
+    out = {}
+    b_, t_, _ = logits.shape
+    for b in range(b_):
+        for t in range(t_ - 1):
+            y = int(labels[b, t + 1])
+            if y != IGNORE:
+                out[(b, t)] = log_softmax_row(logits[b, t])[y]
+    return out
+
+
+def naive_seq_logps(logits, labels):
+    """Per-row (sum of label log-probs, number of label tokens)."""
+    lps = naive_token_logps(logits, labels)
+    sums, counts = [], []
+    for b in range(logits.shape[0]):
+        row = [lp for (bb, _), lp in lps.items() if bb == b]
+        sums.append(sum(row) if row else logits.sum() * 0)
+        counts.append(len(row))
+    return sums, counts
+
+
+def grad(loss, x):
+    (g,) = torch.autograd.grad(loss, x)
+    return g
+
+
+def close(a, b, tol=1e-10):
+    torch.testing.assert_close(torch.as_tensor(a, dtype=DT), torch.as_tensor(b, dtype=DT), rtol=tol, atol=tol)
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_builtin_registry_paths_resolve():
+    from twinkle_core.builtins import twinkle_register_losses
+
+    records = list(twinkle_register_losses())
+    assert {r.name for r in records} == {
+        "cross_entropy", "chunked_cross_entropy", "dpo", "grpo", "dapo", "dr_grpo", "gkd", "mse"
+    }
+    for record in records:
+        cls = record.load()
+        assert cls.name == record.name
+        assert callable(cls())  # every loss is constructible with defaults
+
+
+# --------------------------------------------------------------------------- log-prob helper
+
+
+def test_token_logprobs_matches_naive():
+    logits, labels = make_batch()
+    logps, mask = token_logprobs(logits, labels, chunk_size=4)
+    ref = naive_token_logps(logits, labels)
+    assert logps.shape == mask.shape == (3, 5)
+    assert int(mask.sum()) == len(ref)
+    for (b, t), lp in ref.items():
+        assert mask[b, t]
+        close(logps[b, t], lp)
+    assert torch.all(logps[~mask] == 0)
+    weights = torch.randn(logps.shape, dtype=DT)
+    g_impl = grad((logps * weights).sum(), logits)
+    g_ref = grad(sum(lp * weights[b, t] for (b, t), lp in ref.items()), logits)
+    close(g_impl, g_ref)
+
+
+# --------------------------------------------------------------------------- cross entropy
+
+
+def naive_ce(logits, labels, eps=0.0):
+    total, n = 0.0, 0
+    for b in range(logits.shape[0]):
+        for t in range(logits.shape[1] - 1):
+            y = int(labels[b, t + 1])
+            if y == IGNORE:
+                continue
+            lp = log_softmax_row(logits[b, t])
+            total = total - (1 - eps) * lp[y] - eps * lp.mean()
+            n += 1
+    return total, n
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("cls", [CrossEntropyLoss, ChunkedCrossEntropyLoss])
+def test_cross_entropy_matches_naive(cls, reduction, eps):
+    logits, labels = make_batch()
+    out = cls(reduction=reduction, label_smoothing=eps)({"logits": logits}, {"labels": labels})
+    ref, n = naive_ce(logits, labels, eps)
+    if reduction == "mean":
+        ref = ref / n
+        assert out.num_tokens == 1
+    else:
+        assert int(out.num_tokens) == n
+    close(out.loss, ref)
+    close(grad(out.loss, logits), grad(ref, logits))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 1024])
+@pytest.mark.parametrize("eps", [0.0, 0.2])
+def test_chunked_ce_equals_ce(chunk_size, eps):
+    logits, labels = make_batch(b=4, t=9, v=13, seed=1)  # 36 rows, 25 labelled: 4 and 7 do not divide
+    plain = CrossEntropyLoss(label_smoothing=eps)({"logits": logits}, {"labels": labels})
+    chunked = ChunkedCrossEntropyLoss(chunk_size=chunk_size, label_smoothing=eps)({"logits": logits}, {"labels": labels})
+    assert int(plain.num_tokens) == int(chunked.num_tokens)
+    close(chunked.loss, plain.loss)
+    close(grad(chunked.loss, logits), grad(plain.loss, logits))
+
+
+def test_chunked_ce_low_precision_logits():
+    logits, labels = make_batch(dtype=torch.bfloat16)
+    plain = CrossEntropyLoss()({"logits": logits}, {"labels": labels})
+    chunked = ChunkedCrossEntropyLoss(chunk_size=5)({"logits": logits}, {"labels": labels})
+    assert chunked.loss.dtype == torch.float32
+    g = grad(chunked.loss, logits)
+    assert g.dtype == torch.bfloat16
+    torch.testing.assert_close(chunked.loss, plain.loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g.float(), grad(plain.loss, logits).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_chunked_ce_from_hidden_states():
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(3, 6, 5, generator=g, dtype=DT, requires_grad=True)
+    w = torch.randn(11, 5, generator=g, dtype=DT, requires_grad=True)
+    bias = torch.randn(11, generator=g, dtype=DT, requires_grad=True)
+    _, labels = make_batch(v=11)
+    plain = CrossEntropyLoss(label_smoothing=0.1)({"logits": h @ w.T + bias}, {"labels": labels})
+    fused = ChunkedCrossEntropyLoss(chunk_size=4, label_smoothing=0.1)(
+        {"hidden_states": (h * 0, h), "lm_head_weight": w, "lm_head_bias": bias}, {"labels": labels}
+    )
+    close(fused.loss, plain.loss)
+    for a, b in zip(torch.autograd.grad(fused.loss, (h, w, bias)), torch.autograd.grad(plain.loss, (h, w, bias)), strict=True):
+        close(a, b)
+
+
+@pytest.mark.parametrize("cls", [CrossEntropyLoss, ChunkedCrossEntropyLoss])
+def test_cross_entropy_all_ignored(cls):
+    logits, labels = make_batch()
+    labels[:] = IGNORE
+    for reduction in ("sum", "mean"):
+        out = cls(reduction=reduction)({"logits": logits}, {"labels": labels})
+        assert float(out.loss.detach()) == 0.0
+        assert float(out.num_tokens) == (0 if reduction == "sum" else 1)
+        assert torch.all(grad(out.loss, logits) == 0)
+
+
+# --------------------------------------------------------------------------- DPO
+
+
+def naive_dpo(logits, labels, ref, beta, loss_type, ls=0.0):
+    sums, counts = naive_seq_logps(logits, labels)
+    p = len(sums) // 2
+    total = 0.0
+    for i in range(p):
+        pc, pr, rc, rr = sums[i], sums[p + i], float(ref[i]), float(ref[p + i])
+        if loss_type == "ipo":
+            pc, rc = pc / counts[i], rc / counts[i]
+            pr, rr = pr / counts[p + i], rr / counts[p + i]
+        h = (pc - rc) - (pr - rr)
+        if loss_type == "sigmoid":
+            total = total - (1 - ls) * torch.log(torch.sigmoid(beta * h)) - ls * torch.log(torch.sigmoid(-beta * h))
+        elif loss_type == "hinge":
+            total = total + torch.clamp(1 - beta * h, min=0)
+        else:
+            total = total + (h - 1 / (2 * beta)) ** 2
+    return total, p
+
+
+@pytest.mark.parametrize(
+    "loss_type,beta,ls", [("sigmoid", 0.1, 0.0), ("sigmoid", 0.5, 0.2), ("hinge", 0.5, 0.0), ("ipo", 0.1, 0.0)]
+)
+def test_dpo_matches_naive(loss_type, beta, ls):
+    logits, labels = make_batch(b=4, t=6, v=7, seed=2)
+    ref = torch.randn(4, dtype=DT, generator=torch.Generator().manual_seed(5)) * 3 - 8
+    out = DPOLoss(beta=beta, loss_type=loss_type, label_smoothing=ls)({"logits": logits}, {"labels": labels, "ref_logps": ref})
+    expected, pairs = naive_dpo(logits, labels, ref, beta, loss_type, ls)
+    assert out.num_tokens == pairs == 2
+    close(out.loss, expected)
+    close(grad(out.loss, logits), grad(expected, logits))
+
+    split = DPOLoss(beta=beta, loss_type=loss_type, label_smoothing=ls)(
+        {"logits": logits}, {"labels": labels, "ref_chosen_logps": ref[:2], "ref_rejected_logps": ref[2:]}
+    )
+    close(split.loss, out.loss)
+
+
+def test_dpo_metrics():
+    logits, labels = make_batch(b=4, seed=2)
+    sums, _ = naive_seq_logps(logits, labels)
+    sums = torch.stack([s.detach() for s in sums])
+    ref = sums.clone()
+    ref[0] += 1.0  # pair 0: chosen reward -0.1 * 1, rejected 0 -> wrong order
+    ref[3] += 2.0  # pair 1: chosen 0, rejected -0.2 -> right order
+    out = DPOLoss(beta=0.1)({"logits": logits}, {"labels": labels, "ref_logps": ref})
+    assert out.metrics["rewards/accuracy"] == pytest.approx(0.5)
+    assert out.metrics["rewards/chosen"] == pytest.approx(-0.05)
+    assert out.metrics["rewards/rejected"] == pytest.approx(-0.1)
+    assert out.metrics["rewards/margins"] == pytest.approx(0.05)
+
+
+def test_dpo_needs_reference_and_even_batch():
+    logits, labels = make_batch(b=4)
+    with pytest.raises(KeyError):
+        DPOLoss()({"logits": logits}, {"labels": labels})
+    free = DPOLoss(reference_free=True)({"logits": logits}, {"labels": labels})
+    close(free.loss, naive_dpo(logits, labels, torch.zeros(4), 0.1, "sigmoid")[0])
+    logits3, labels3 = make_batch(b=3)
+    with pytest.raises(ValueError):
+        DPOLoss()({"logits": logits3}, {"labels": labels3, "ref_logps": torch.zeros(3)})
+
+
+# --------------------------------------------------------------------------- GRPO family
+
+
+def rl_batch(seed=4):
+    logits, labels = make_batch(b=4, t=7, v=9, seed=seed)
+    lps = naive_token_logps(logits, labels)
+    # old log-probs pushed away from the current ones so that ratios land inside and outside
+    # both clip ranges: exp(+-0.5) ~ 1.65 / 0.61, exp(+-0.25) ~ 1.28 / 0.78, exp(+-0.05).
+    shifts = [0.5, -0.5, 0.25, -0.25, 0.05, -0.05, 0.0]
+    old = torch.zeros(4, 6, dtype=DT)
+    ref = torch.zeros(4, 6, dtype=DT)
+    old.fill_(123.0)  # junk on masked positions must not matter
+    ref.fill_(-55.0)
+    for k, ((b, t), lp) in enumerate(sorted(lps.items())):
+        old[b, t] = lp.detach() - shifts[k % len(shifts)]
+        ref[b, t] = lp.detach() + 0.3 * math.sin(k)
+    advantages = torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=DT)
+    return logits, labels, lps, old, ref, advantages
+
+
+def naive_pg(lps, old, ref, adv, eps_low, eps_high, beta, aggregation, length=None, per_token_adv=False):
+    per_seq: dict[int, list] = {}
+    clipped = 0
+    for (b, t), lp in lps.items():
+        a = float(adv[b, t + 1]) if per_token_adv else float(adv[b])
+        r = torch.exp(lp - old[b, t])
+        l_tok = -torch.min(r * a, torch.clamp(r, 1 - eps_low, 1 + eps_high) * a)
+        if beta:
+            d = ref[b, t] - lp
+            l_tok = l_tok + beta * (torch.exp(d) - d - 1)
+        per_seq.setdefault(b, []).append(l_tok)
+        rv = float(r.detach())
+        clipped += (rv > 1 + eps_high and a > 0) or (rv < 1 - eps_low and a < 0)
+    if aggregation == "grpo":
+        total, n = sum(sum(v) / len(v) for v in per_seq.values()), len(per_seq)
+    elif aggregation == "dapo":
+        total, n = sum(sum(v) for v in per_seq.values()), sum(len(v) for v in per_seq.values())
+    else:
+        total, n = sum(sum(v) for v in per_seq.values()) / length, len(per_seq)
+    return total, n, clipped / len(lps)
+
+
+CASES = [
+    (GRPOLoss, {"epsilon": 0.2}, 0.2, 0.2, "grpo"),
+    (GRPOLoss, {"epsilon": 0.2, "beta": 0.04}, 0.2, 0.2, "grpo"),
+    (DAPOLoss, {}, 0.2, 0.28, "dapo"),
+    (DAPOLoss, {"epsilon_low": 0.1, "epsilon_high": 0.3, "beta": 0.1}, 0.1, 0.3, "dapo"),
+    (DrGRPOLoss, {"epsilon": 0.2, "max_completion_length": 16}, 0.2, 0.2, "dr_grpo"),
+    (DrGRPOLoss, {"epsilon": 0.2, "max_completion_length": 16, "beta": 0.04}, 0.2, 0.2, "dr_grpo"),
+]
+
+
+@pytest.mark.parametrize("cls,kwargs,lo,hi,agg", CASES)
+def test_policy_gradient_losses_with_clipping(cls, kwargs, lo, hi, agg):
+    logits, labels, lps, old, ref, adv = rl_batch()
+    beta = kwargs.get("beta", 0.0)
+    out = cls(**kwargs)({"logits": logits}, {"labels": labels, "advantages": adv, "old_logps": old, "ref_logps": ref})
+    expected, n, clip_frac = naive_pg(lps, old, ref, adv, lo, hi, beta, agg, kwargs.get("max_completion_length"))
+    assert 0.0 < clip_frac < 1.0  # the batch really exercises clipping
+    assert float(out.num_tokens) == n
+    close(out.loss, expected)
+    close(grad(out.loss, logits), grad(expected, logits))
+    assert out.metrics["clip_fraction"] == pytest.approx(clip_frac)
+    gaps = [float(ref[b, t] - lp.detach()) for (b, t), lp in lps.items()]
+    kl_ref = sum(math.exp(d) - d - 1 for d in gaps) / len(gaps)
+    assert out.metrics["kl_mean"] == pytest.approx(kl_ref)
+
+
+def test_clipped_tokens_get_no_gradient():
+    """One token, positive advantage: the surrogate is flat above 1 + eps, live below it."""
+    logits = torch.zeros(1, 2, 3, dtype=DT, requires_grad=True)
+    labels = torch.tensor([[IGNORE, 1]])
+    lp = math.log(1 / 3)
+    for shift, live in [(0.5, False), (0.1, True)]:
+        out = GRPOLoss(epsilon=0.2)(
+            {"logits": logits}, {"labels": labels, "advantages": torch.tensor([1.0]), "old_logps": torch.tensor([[lp - shift]])}
+        )
+        g = grad(out.loss, logits)
+        assert bool(g.abs().sum() > 0) == live
+        assert out.metrics["clip_fraction"] == (0.0 if live else 1.0)
+
+
+@pytest.mark.parametrize("layout", ["full", "shifted"])
+def test_per_token_advantages(layout):
+    logits, labels, lps, old, ref, _ = rl_batch()
+    adv_full = torch.randn(4, 7, dtype=DT, generator=torch.Generator().manual_seed(9))
+    adv = adv_full if layout == "full" else adv_full[:, 1:]
+    out = DAPOLoss()({"logits": logits}, {"labels": labels, "advantages": adv, "old_logps": old})
+    expected, n, _ = naive_pg(lps, old, ref, adv_full, 0.2, 0.28, 0.0, "dapo", per_token_adv=True)
+    close(out.loss, expected)
+    close(grad(out.loss, logits), grad(expected, logits))
+
+
+def test_grpo_on_policy_without_old_logps():
+    logits, labels, lps, _, _, adv = rl_batch()
+    out = GRPOLoss()({"logits": logits}, {"labels": labels, "advantages": adv})
+    # ratio == 1: value is -mean(A) per sequence; gradient is that of -A * log p averaged per sequence
+    per_seq: dict[int, list] = {}
+    for (b, _t), lp in lps.items():
+        per_seq.setdefault(b, []).append(-float(adv[b]) * lp)
+    expected = sum(sum(v) / len(v) for v in per_seq.values())
+    close(out.loss, -sum(float(adv[b]) for b in per_seq))
+    close(grad(out.loss, logits), grad(expected, logits))
+    assert out.metrics["clip_fraction"] == 0.0
+    assert out.metrics["ratio_mean"] == pytest.approx(1.0)
+    assert "kl_mean" not in out.metrics
+
+
+def test_grpo_beta_needs_reference():
+    logits, labels, _, old, _, adv = rl_batch()
+    with pytest.raises(KeyError):
+        GRPOLoss(beta=0.1)({"logits": logits}, {"labels": labels, "advantages": adv, "old_logps": old})
+
+
+def test_dr_grpo_default_length_is_batch_length():
+    logits, labels, lps, old, ref, adv = rl_batch()
+    out = DrGRPOLoss()({"logits": logits}, {"labels": labels, "advantages": adv, "old_logps": old})
+    expected, _, _ = naive_pg(lps, old, ref, adv, 0.2, 0.2, 0.0, "dr_grpo", length=6)
+    close(out.loss, expected)
+
+
+# --------------------------------------------------------------------------- GKD
+
+
+def naive_gkd(student, teacher, labels, beta, temperature):
+    total, n = 0.0, 0
+    for b in range(student.shape[0]):
+        for t in range(student.shape[1] - 1):
+            if int(labels[b, t + 1]) == IGNORE:
+                continue
+            ls = log_softmax_row(student[b, t] / temperature)
+            lt = log_softmax_row(teacher[b, t] / temperature)
+            s, te = torch.exp(ls), torch.exp(lt)
+            if beta == 0:
+                d = (te * (lt - ls)).sum()  # KL(teacher || student)
+            elif beta == 1:
+                d = (s * (ls - lt)).sum()  # KL(student || teacher)
+            else:
+                m = beta * te + (1 - beta) * s
+                d = beta * (te * (lt - torch.log(m))).sum() + (1 - beta) * (s * (ls - torch.log(m))).sum()
+            total = total + d
+            n += 1
+    return total, n
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0, 0.2])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_gkd_matches_naive(beta, temperature):
+    student, labels = make_batch(seed=6)
+    teacher = torch.randn(student.shape, dtype=DT, generator=torch.Generator().manual_seed(7)) * 2
+    out = GKDLoss(beta=beta, temperature=temperature, chunk_size=4)(
+        {"logits": student}, {"labels": labels, "teacher_logits": teacher}
+    )
+    expected, n = naive_gkd(student, teacher, labels, beta, temperature)
+    assert out.num_tokens == n
+    close(out.loss, expected)
+    close(grad(out.loss, student), grad(expected, student))
+
+
+def test_gkd_limits():
+    student, labels = make_batch(seed=6)
+    teacher = torch.randn(student.shape, dtype=DT, generator=torch.Generator().manual_seed(7))
+    inputs = {"labels": labels, "teacher_logits": teacher}
+    # identical distributions: every divergence is 0
+    for beta in (0.0, 0.5, 1.0):
+        assert float(GKDLoss(beta=beta)({"logits": teacher.clone()}, inputs).loss.detach()) == pytest.approx(0.0, abs=1e-12)
+    # beta = 0.5 is the (symmetric) Jensen-Shannon divergence, bounded by log 2 per token
+    js = GKDLoss(beta=0.5)({"logits": student}, inputs)
+    swapped = GKDLoss(beta=0.5)({"logits": teacher}, {"labels": labels, "teacher_logits": student.detach()})
+    close(js.loss, swapped.loss)
+    assert float(js.loss.detach()) / js.num_tokens < math.log(2)
+    # forward KL with student/teacher swapped is the reverse KL
+    fwd = GKDLoss(beta=0.0)({"logits": teacher}, {"labels": labels, "teacher_logits": student.detach()})
+    rev = GKDLoss(beta=1.0)({"logits": student}, inputs)
+    close(fwd.loss, rev.loss)
+    # the teacher gets no gradient
+    t = teacher.clone().requires_grad_(True)
+    out = GKDLoss(beta=0.5)({"logits": student}, {"labels": labels, "teacher_logits": t})
+    assert not out.loss.requires_grad or torch.autograd.grad(out.loss, t, allow_unused=True)[0] is None
+
+
+# --------------------------------------------------------------------------- MSE
+
+
+def test_mse():
+    g = torch.Generator().manual_seed(8)
+    pred = torch.randn(3, 4, 1, generator=g, dtype=DT, requires_grad=True)
+    target = torch.randn(3, 4, generator=g, dtype=DT)
+    def naive_sq():
+        return sum((pred[i, j, 0] - target[i, j]) ** 2 for i in range(3) for j in range(4))
+
+    naive = naive_sq()
+    out = MSELoss()({"logits": pred}, {"targets": target})
+    assert out.num_tokens == 12
+    close(out.loss, naive)
+    close(grad(out.loss, pred), grad(naive, pred))
+    mean = MSELoss(reduction="mean", key="values", target_key="returns")({"values": pred}, {"returns": target})
+    assert mean.num_tokens == 1
+    close(mean.loss, naive_sq() / 12)
+    close(grad(mean.loss, pred), grad(naive_sq() / 12, pred))
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    masked = MSELoss(mask_key="mask")({"logits": pred}, {"targets": target, "mask": mask})
+    naive_m = sum((pred[i, j, 0] - target[i, j]) ** 2 for i in range(3) for j in range(4) if mask[i, j])
+    assert int(masked.num_tokens) == 7
+    close(masked.loss, naive_m)
+    with pytest.raises(ValueError):
+        MSELoss()({"logits": pred}, {"targets": target[:, :3]})
+
+
+# --------------------------------------------------------------------------- gradient accumulation
+
+
+def _accumulate(loss_fn, micro_batches):
+    """Sum of micro-batch losses over the total num_tokens, as the model computes it."""
+    outs = [loss_fn(o, i) for o, i in micro_batches]
+    return sum(o.loss for o in outs) / sum(float(o.num_tokens) for o in outs)
+
+
+def _full(loss_fn, outputs, inputs):
+    out = loss_fn(outputs, inputs)
+    assert isinstance(out, LossOutput)
+    return out.loss / float(out.num_tokens)
+
+
+def _rows(d, idx):
+    return {k: v[idx] for k, v in d.items()}
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        CrossEntropyLoss(),
+        ChunkedCrossEntropyLoss(chunk_size=3),
+        GRPOLoss(beta=0.05),
+        DAPOLoss(beta=0.05),
+        DrGRPOLoss(max_completion_length=10, beta=0.05),
+        GKDLoss(beta=0.3),
+        MSELoss(key="logits", target_key="targets"),
+    ],
+    ids=lambda f: type(f).__name__,
+)
+def test_gradient_accumulation_is_exact(loss_fn):
+    logits, labels = make_batch(b=8, t=6, v=7, seed=11)
+    g = torch.Generator().manual_seed(12)
+    inputs = {
+        "labels": labels,
+        "advantages": torch.randn(8, dtype=DT, generator=g),
+        "old_logps": -torch.rand(8, 5, dtype=DT, generator=g) * 3,
+        "ref_logps": -torch.rand(8, 5, dtype=DT, generator=g) * 3,
+        "teacher_logits": torch.randn(8, 6, 7, dtype=DT, generator=g),
+        "targets": torch.randn(8, 6, 7, dtype=DT, generator=g),
+    }
+    full = _full(loss_fn, {"logits": logits}, inputs)
+    micro = [({"logits": logits[i : i + 2]}, _rows(inputs, slice(i, i + 2))) for i in range(0, 8, 2)]
+    acc = _accumulate(loss_fn, micro)
+    close(acc, full)
+    close(grad(acc, logits), grad(full, logits))
+
+
+def test_gradient_accumulation_dpo():
+    # 8 pairs; the full batch is [chosen_0..7, rejected_0..7], each micro-batch [chosen_i, chosen_j, rejected_i, rejected_j]
+    logits, labels = make_batch(b=16, t=5, v=6, seed=13)
+    ref = -torch.rand(16, dtype=DT, generator=torch.Generator().manual_seed(14)) * 10
+    for loss_type in ("sigmoid", "ipo", "hinge"):
+        loss_fn = DPOLoss(beta=0.2, loss_type=loss_type)
+        full = _full(loss_fn, {"logits": logits}, {"labels": labels, "ref_logps": ref})
+        micro = []
+        for i in range(0, 8, 2):
+            idx = torch.tensor([i, i + 1, 8 + i, 9 + i])
+            micro.append(({"logits": logits[idx]}, {"labels": labels[idx], "ref_logps": ref[idx]}))
+        acc = _accumulate(loss_fn, micro)
+        close(acc, full)
+        close(grad(acc, logits), grad(full, logits))

@@ -1,0 +1,52 @@
+"""``MultiLoraTransformersModel``: many tenants' LoRA adapters on one shared, frozen base model.
+
+Each tenant (adapter) owns its LoRA config, optimizer, scheduler, loss, gradient-accumulation count
+and step counter (the core's per-adapter ``TrainState``). Tenants can be added and removed while
+the process runs. Isolation: only the active tenant's weights receive gradients, each optimizer
+holds only its tenant's parameters, and a non-finite gradient skips that tenant's step — so
+training, a NaN or a bad batch of tenant A never changes tenant B.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twinkle_core.errors import ConfigError
+from twinkle_backend_hf import adapters
+from twinkle_backend_hf.model import TransformersModel
+
+
+class MultiLoraTransformersModel(TransformersModel):
+    def __init__(self, *, max_lora_rank: int = 64, max_tenants: int | None = None, **kwargs: Any) -> None:
+        self.max_lora_rank = max_lora_rank
+        self.max_tenants = max_tenants
+        super().__init__(**kwargs)
+        if self.strategy.name != "single":
+            # A data-parallel wrapper captures the parameter set once; tenants come and go at run time.
+            raise ConfigError(f"MultiLoraTransformersModel runs one process per base model (strategy 'single'); "
+                              f"got strategy {self.strategy.name!r}")
+        for p in self.module.parameters():
+            p.requires_grad_(False)
+
+    def add_adapter_to_model(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+        peft_config = adapters.to_peft_config(config)
+        rank = max([peft_config.r, *getattr(peft_config, "rank_pattern", {}).values()])
+        if rank > self.max_lora_rank:
+            raise ConfigError(f"tenant {adapter_name!r} asks for LoRA rank {rank}, above max_lora_rank="
+                              f"{self.max_lora_rank}; lower r or build the model with a larger max_lora_rank")
+        if self.max_tenants is not None and len(self._adapters) >= self.max_tenants:
+            raise ConfigError(f"already {len(self._adapters)} tenants (max_tenants={self.max_tenants}); "
+                              f"remove one with remove_adapter first")
+        super().add_adapter_to_model(adapter_name, peft_config, **kwargs)
+
+    def tenants(self) -> list[str]:
+        return sorted(self._adapters)
+
+    def _remove_adapter(self, adapter_name: str) -> None:
+        state = self._states[adapter_name]
+        state.optimizer = state.scheduler = None  # drop the tenant's optimizer state with it
+        self.module.delete_adapter(adapter_name)
+
+    def get_train_configs(self, *, adapter_name: str | None = None) -> dict[str, Any]:
+        return {**super().get_train_configs(adapter_name=adapter_name), "tenants": self.tenants(),
+                "max_lora_rank": self.max_lora_rank}

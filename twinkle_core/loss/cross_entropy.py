@@ -1,0 +1,112 @@
+"""Next-token cross entropy: plain and chunked (bounded memory for large vocabularies)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from twinkle_core.loss._common import check_reduction
+from twinkle_core.loss.base import Loss, LossOutput
+from twinkle_core.loss.logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    acc_dtype,
+    label_logprobs,
+    linear_label_logprobs,
+    shift_labels,
+)
+
+
+def _finish(total: torch.Tensor, count: torch.Tensor, reduction: str) -> LossOutput:
+    if reduction == "mean":
+        return LossOutput(loss=total / count.clamp(min=1), num_tokens=1, metrics={"tokens": float(count)})
+    return LossOutput(loss=total, num_tokens=count)
+
+
+class CrossEntropyLoss(Loss):
+    """Token-level cross entropy of the shifted labels.
+
+    ``loss`` is the sum over non-ignored tokens and ``num_tokens`` their count (``reduction="sum"``,
+    the default, which keeps gradient accumulation exact); ``reduction="mean"`` returns the mean
+    with ``num_tokens=1``. ``label_smoothing`` follows :func:`torch.nn.functional.cross_entropy`:
+    ``(1 - eps) * nll + eps * mean_v(-log p(v))``.
+
+    The logits are upcast to float32 (a full copy when they are bf16/fp16; float64 stays float64); use
+    :class:`ChunkedCrossEntropyLoss` when that ``[N, V]`` copy does not fit.
+    """
+
+    name: ClassVar[str] = "cross_entropy"
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "sum", label_smoothing: float = 0.0) -> None:
+        self.ignore_index = ignore_index
+        self.reduction = check_reduction(reduction)
+        if not 0.0 <= label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        self.label_smoothing = label_smoothing
+
+    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> LossOutput:
+        logits = outputs["logits"]
+        labels = shift_labels(inputs["labels"].to(logits.device), self.ignore_index).reshape(-1)
+        total = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).to(acc_dtype(logits.dtype)),
+            labels,
+            ignore_index=self.ignore_index,
+            reduction="sum",
+            label_smoothing=self.label_smoothing,
+        )
+        return _finish(total, (labels != self.ignore_index).sum(), self.reduction)
+
+
+class ChunkedCrossEntropyLoss(CrossEntropyLoss):
+    """Cross entropy with the same value and gradients as :class:`CrossEntropyLoss`, bounded memory.
+
+    Approach (see :mod:`twinkle_core.loss.logprobs`): a custom autograd function walks the labelled
+    tokens ``chunk_size`` at a time. Forward upcasts one chunk of logits to float32 and keeps only its
+    per-token log-sum-exp; backward recomputes that chunk's softmax and writes
+    ``softmax - (1 - eps) * onehot - eps / V`` straight into the logits gradient. The extra memory is
+    one ``[chunk_size, V]`` float32 chunk (plus a few of its temporaries) and ``O(N)`` scalars, instead
+    of the full ``[N, V]`` float32 upcast and log-softmax; ignored tokens cost nothing.
+
+    If ``outputs`` has no ``"logits"`` but has ``"hidden_states"`` (``[B, T, H]``, the final,
+    post-norm hidden states; for a tuple the last element is used) and ``"lm_head_weight"``
+    (``[V, H]``, optional ``"lm_head_bias"``), the LM head is applied chunk by chunk inside the
+    function, so the ``[N, V]`` logits are never materialised at all.
+    """
+
+    name: ClassVar[str] = "chunked_cross_entropy"
+
+    def __init__(
+        self,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        ignore_index: int = -100,
+        reduction: str = "sum",
+        label_smoothing: float = 0.0,
+    ) -> None:
+        super().__init__(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        self.chunk_size = chunk_size
+
+    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> LossOutput:
+        logits = outputs.get("logits")
+        if logits is not None:
+            labels = shift_labels(inputs["labels"].to(logits.device), self.ignore_index)
+            label_lp, mean_lp = label_logprobs(logits, labels, self.ignore_index, self.chunk_size)
+        else:
+            hidden = outputs.get("hidden_states")
+            weight = outputs.get("lm_head_weight")
+            if hidden is None or weight is None:
+                raise KeyError(
+                    "ChunkedCrossEntropyLoss needs outputs['logits'], or outputs['hidden_states'] "
+                    "with outputs['lm_head_weight']"
+                )
+            if isinstance(hidden, (tuple, list)):
+                hidden = hidden[-1]
+            labels = shift_labels(inputs["labels"].to(hidden.device), self.ignore_index)
+            label_lp, mean_lp = linear_label_logprobs(
+                hidden, weight, labels, outputs.get("lm_head_bias"), self.ignore_index, self.chunk_size
+            )
+        eps = self.label_smoothing
+        total = -label_lp.sum() if eps == 0.0 else -(1.0 - eps) * label_lp.sum() - eps * mean_lp.sum()
+        return _finish(total, (labels != self.ignore_index).sum(), self.reduction)
