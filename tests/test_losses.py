@@ -527,3 +527,22 @@ def test_gradient_accumulation_dpo():
         acc = _accumulate(loss_fn, micro)
         close(acc, full)
         close(grad(acc, logits), grad(full, logits))
+
+
+def test_cross_entropy_uses_pre_shifted_labels_when_the_batch_has_them():
+    """Sequence parallelism shifts labels before splitting; the loss must then not shift again."""
+    from twinkle_core.loss.cross_entropy import ChunkedCrossEntropyLoss, CrossEntropyLoss
+    from twinkle_core.loss.logprobs import shift_labels
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 11, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 11, (2, 6), generator=g)
+    labels[0, :2] = -100
+    shifted = shift_labels(labels)
+    for loss in (CrossEntropyLoss(), ChunkedCrossEntropyLoss(chunk_size=3)):
+        plain = loss({"logits": logits}, {"labels": labels})
+        # a shard holding the last 3 positions only: with shift_labels it scores exactly those positions
+        shard = loss({"logits": logits[:, 3:]}, {"labels": labels[:, 3:], "shift_labels": shifted[:, 3:]})
+        head = loss({"logits": logits[:, :3]}, {"labels": labels[:, :3], "shift_labels": shifted[:, :3]})
+        torch.testing.assert_close(shard.loss + head.loss, plain.loss)
+        assert int(shard.num_tokens) + int(head.num_tokens) == int(plain.num_tokens)

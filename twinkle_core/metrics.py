@@ -62,11 +62,13 @@ class TokenAccuracy(Metric):
         self.total = 0.0
 
     def update(self, inputs: dict[str, Any], outputs: dict[str, Any], loss_output: Any) -> None:
-        logits, labels = outputs.get("logits"), inputs.get("labels")
-        if logits is None or labels is None:
+        logits = outputs.get("logits")
+        if logits is None or (inputs.get("labels") is None and inputs.get("shift_labels") is None):
             return
-        predicted = logits[..., :-1, :].argmax(-1)
-        target = labels[..., 1:].to(predicted.device)
+        from twinkle_core.loss.logprobs import next_token_labels
+
+        predicted = logits.argmax(-1)
+        target = next_token_labels(inputs, -100, predicted.device)
         mask = target != -100
         self.correct += float((predicted.eq(target) & mask).sum())
         self.total += float(mask.sum())

@@ -14,7 +14,7 @@ from twinkle_core.loss.logprobs import (
     acc_dtype,
     label_logprobs,
     linear_label_logprobs,
-    shift_labels,
+    next_token_labels,
 )
 
 
@@ -25,7 +25,7 @@ def _finish(total: torch.Tensor, count: torch.Tensor, reduction: str) -> LossOut
 
 
 class CrossEntropyLoss(Loss):
-    """Token-level cross entropy of the shifted labels.
+    """Token-level cross entropy of the shifted labels (or of ``inputs["shift_labels"]`` when present).
 
     ``loss`` is the sum over non-ignored tokens and ``num_tokens`` their count (``reduction="sum"``,
     the default, which keeps gradient accumulation exact); ``reduction="mean"`` returns the mean
@@ -47,7 +47,7 @@ class CrossEntropyLoss(Loss):
 
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> LossOutput:
         logits = outputs["logits"]
-        labels = shift_labels(inputs["labels"].to(logits.device), self.ignore_index).reshape(-1)
+        labels = next_token_labels(inputs, self.ignore_index, logits.device).reshape(-1)
         total = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).to(acc_dtype(logits.dtype)),
             labels,
@@ -91,7 +91,7 @@ class ChunkedCrossEntropyLoss(CrossEntropyLoss):
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> LossOutput:
         logits = outputs.get("logits")
         if logits is not None:
-            labels = shift_labels(inputs["labels"].to(logits.device), self.ignore_index)
+            labels = next_token_labels(inputs, self.ignore_index, logits.device)
             label_lp, mean_lp = label_logprobs(logits, labels, self.ignore_index, self.chunk_size)
         else:
             hidden = outputs.get("hidden_states")
@@ -103,7 +103,7 @@ class ChunkedCrossEntropyLoss(CrossEntropyLoss):
                 )
             if isinstance(hidden, (tuple, list)):
                 hidden = hidden[-1]
-            labels = shift_labels(inputs["labels"].to(hidden.device), self.ignore_index)
+            labels = next_token_labels(inputs, self.ignore_index, hidden.device)
             label_lp, mean_lp = linear_label_logprobs(
                 hidden, weight, labels, outputs.get("lm_head_bias"), self.ignore_index, self.chunk_size
             )

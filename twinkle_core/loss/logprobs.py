@@ -47,6 +47,7 @@ __all__ = [
     "acc_dtype",
     "label_logprobs",
     "linear_label_logprobs",
+    "next_token_labels",
     "shift_labels",
     "token_logprobs",
 ]
@@ -62,6 +63,15 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
     """
     pad = labels.new_full((*labels.shape[:-1], 1), ignore_index)
     return torch.cat([labels[..., 1:], pad], dim=-1)
+
+
+def next_token_labels(inputs: dict[str, Any], ignore_index: int = -100, device: Any = None) -> torch.Tensor:
+    """The labels each logits position predicts: ``inputs["shift_labels"]`` when the batch carries them
+    already shifted (sequence parallelism shifts before splitting the sequence), else
+    ``shift_labels(inputs["labels"])``."""
+    if inputs.get("shift_labels") is not None:
+        return inputs["shift_labels"].to(device)
+    return shift_labels(inputs["labels"].to(device), ignore_index)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
