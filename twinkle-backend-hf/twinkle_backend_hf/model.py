@@ -1,5 +1,8 @@
 """``TransformersModel``: any Hugging Face causal LM (or encoder) under the ``TwinkleModel`` API.
 
+``attn_implementation``: ``None`` lets transformers choose (``sdpa`` wherever the architecture supports
+it, else ``eager``); ``"flash_attention_2"`` where flash-attn is installed and the GPU supports it.
+
 Built from ``model_id`` (any source the core resolves: ``ms://``, ``hf://``, a local path) or from a
 ``transformers`` config (random init). Full fine-tuning, or PEFT adapters via
 ``add_adapter_to_model``. ``save()`` writes what ``AutoModelForCausalLM.from_pretrained`` (full
@@ -24,7 +27,7 @@ class TransformersModel(TorchTwinkleModel):
     model_input_keys = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
 
     def __init__(self, *, model_id: str | None = None, config: Any = None, revision: str | None = None,
-                 trust_remote_code: bool | None = None, attn_implementation: str | None = "sdpa",
+                 trust_remote_code: bool | None = None, attn_implementation: str | None = None,
                  gradient_checkpointing: bool = False, auto_class: str | None = None,
                  model_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if model_id is None and config is None:

@@ -5,9 +5,11 @@ network is built, run, given adapters, and written to / read from disk. Strategy
 and precision are plugins chosen by name, so no backend repeats the training-state machinery.
 
 Gradient normalisation: every loss returns a *sum* and the number of units it summed over. The
-sums are back-propagated as they come; before clipping or stepping, the gradients are multiplied
-once by ``strategy.gradient_scale(global_tokens)``, where ``global_tokens`` is the token count of
-all accumulated micro-batches summed over the data-parallel ranks. That is what makes 4
+sums are back-propagated as they come, divided by one constant per accumulation window (the
+first micro-batch's global token count per rank, so gradients keep mean-loss magnitude); before
+clipping or stepping, the gradients are multiplied once by that constant times
+``strategy.gradient_scale(global_tokens)``, where ``global_tokens`` is the token count of all
+accumulated micro-batches summed over the data-parallel ranks. That is what makes 4
 micro-batches of 2 give the same update as one batch of 8.
 """
 
@@ -197,10 +199,17 @@ class TorchTwinkleModel(TwinkleModel):
             raise ConfigError("backward needs a loss: call calculate_loss first or pass loss=")
         if not isinstance(loss, LossOutput):
             loss = LossOutput(loss=loss, num_tokens=1)
+        if state.backward_calls == 0:
+            # One divisor for the whole accumulation window, the same on every rank, keeps gradients at
+            # mean-loss magnitude (fp16 loss scaling and bf16 rounding need that); it is undone exactly
+            # when the gradients are normalised by the global token count.
+            first = self.strategy.global_sum(torch.tensor(float(loss.num_tokens), dtype=torch.float64,
+                                                          device=self.device))
+            state.loss_divisor = max(1.0, float(first) / self.strategy.dp_size)
         sync = (state.backward_calls + 1) % state.gradient_accumulation_steps == 0
         context = contextlib.nullcontext() if sync else self.strategy.no_sync(self.wrapped)
         with context:
-            self.strategy.backward(self.precision.scale_loss(loss.loss), self.wrapped)
+            self.strategy.backward(self.precision.scale_loss(loss.loss / state.loss_divisor), self.wrapped)
         state.backward_calls += 1
         state.pending_tokens += float(loss.num_tokens)
         state.gradients_normalised = False
@@ -228,7 +237,7 @@ class TorchTwinkleModel(TwinkleModel):
                                                        device=self.device))
         self.precision.unscale_(optimizer)
         self.strategy.scale_gradients(self.wrapped, optimizer, self._parameters(state.name),
-                                      self.strategy.gradient_scale(float(tokens)))
+                                      self.strategy.gradient_scale(float(tokens)) * state.loss_divisor)
         state.gradients_normalised = True
 
     def clip_grad_norm(self, max_grad_norm: float = 1.0, norm_type: float = 2.0, *,

@@ -24,6 +24,8 @@ class TrainState:
     backward_calls: int = 0
     #: tokens back-propagated since the last optimizer step, on this rank
     pending_tokens: float = 0.0
+    #: constant the window's sum losses are divided by before backward (undone at normalisation)
+    loss_divisor: float = 1.0
     gradients_normalised: bool = False
     step: int = 0
     skipped_steps: int = 0
