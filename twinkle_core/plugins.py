@@ -87,14 +87,26 @@ class TwinklePlugins:
         self.autoload = (not env_flag("TWINKLE_DISABLE_PLUGIN_AUTOLOAD")) if autoload is None else autoload
         self.disabled = set(env_list("TWINKLE_DISABLE_PLUGINS") if disabled is None else disabled)
         self.extra_modules = env_list("TWINKLE_PLUGINS") if extra_modules is None else extra_modules
-        self.failures: list[PluginFailure] = []
-        self.plugins: dict[str, PluginInfo] = {}
+        self._failures: list[PluginFailure] = []
+        self._plugin_info: dict[str, PluginInfo] = {}
         self._pm: pluggy.PluginManager | None = None
         self._records: dict[str, dict[str, Registered]] = {}
         self._lock = threading.RLock()
         self._loading = False
 
     # ------------------------------------------------------------------ loading
+    @property
+    def plugins(self) -> dict[str, PluginInfo]:
+        """Loaded plugins by name (loads them on first access)."""
+        self.pm
+        return self._plugin_info
+
+    @property
+    def failures(self) -> list[PluginFailure]:
+        """Plugins that failed to import and were skipped (loads them on first access)."""
+        self.pm
+        return self._failures
+
     @property
     def pm(self) -> pluggy.PluginManager:
         with self._lock:
@@ -131,14 +143,14 @@ class TwinklePlugins:
             self._load_one(ep.name, dist, ep.value, ep.load)
 
     def _load_one(self, name: str, dist: str, where: str, loader: Any) -> None:
-        if name in self.plugins:
+        if name in self._plugin_info:
             return
         try:
             module = loader()
         except Exception as exc:  # reported and skipped: the one failure policy for plugins
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
             failure = PluginFailure(name, dist, reason)
-            self.failures.append(failure)
+            self._failures.append(failure)
             logger.warning("%s", failure)
             return
         self._register(module, PluginInfo(name, dist, _version(dist), getattr(module, "__name__", where)))
@@ -146,7 +158,7 @@ class TwinklePlugins:
     def _register(self, module: Any, info: PluginInfo) -> None:
         assert self._pm is not None
         self._pm.register(module, name=info.name)
-        self.plugins[info.name] = info
+        self._plugin_info[info.name] = info
 
     # ------------------------------------------------------------------ records
     def records(self, kind: str) -> dict[str, Registered]:
@@ -160,7 +172,7 @@ class TwinklePlugins:
             found: dict[str, Registered] = {}
             hook = getattr(self.pm.hook, _HOOK_FOR_KIND[kind])
             for impl in hook.get_hookimpls():
-                info = self.plugins.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "unknown", "", "")
+                info = self._plugin_info.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "unknown", "", "")
                 for record in impl.function() or ():
                     self._check_record(kind, record, info)
                     previous = found.get(record.name)

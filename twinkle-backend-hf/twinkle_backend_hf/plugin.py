@@ -20,6 +20,8 @@ def twinkle_register_strategies():
     yield StrategyRecord("native_fsdp", f"{_PKG}.strategies.fsdp:NativeFSDPStrategy", "FSDP2 fully_shard + DCP")
     yield StrategyRecord("accelerate", f"{_PKG}.strategies.accelerate:AccelerateStrategy", "FSDP via Accelerate")
     yield StrategyRecord("deepspeed", f"{_PKG}.strategies.deepspeed:DeepSpeedStrategy", "DeepSpeed ZeRO 1/2/3")
+    yield StrategyRecord("ulysses", f"{_PKG}.sequence_parallel.strategy:SequenceParallelStrategy",
+                         "Ulysses sequence parallel (mesh.sp) over DDP (mesh.dp)")
 
 
 @hookimpl

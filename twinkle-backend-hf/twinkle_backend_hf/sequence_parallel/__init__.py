@@ -1,0 +1,28 @@
+"""Ulysses sequence parallelism for the Hugging Face backend.
+
+* :mod:`.ulysses` — the attention function registered in ``transformers.AttentionInterface``, the
+  differentiable all-to-all and the batch sharding;
+* :mod:`.strategy` — :class:`SequenceParallelStrategy` (strategy name ``ulysses``), which shards
+  batches in ``prepare_inputs``, switches the model's attention implementation and synchronises
+  gradients through DDP.
+
+Importing this package imports nothing heavy; the names below load on first access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["SequenceParallelStrategy", "register_ulysses_attention", "shard_batch", "ulysses_attention_forward"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SequenceParallelStrategy":
+        from twinkle_backend_hf.sequence_parallel.strategy import SequenceParallelStrategy
+
+        return SequenceParallelStrategy
+    if name in ("register_ulysses_attention", "shard_batch", "ulysses_attention_forward"):
+        from twinkle_backend_hf.sequence_parallel import ulysses
+
+        return getattr(ulysses, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,170 @@
+"""``SequenceParallelStrategy``: Ulysses sequence parallelism (``mesh.sp``) on top of DDP (``mesh.dp``).
+
+Ranks are laid out data-parallel-major: with ``DeviceMesh(dp=D, sp=P)`` ranks ``k*P .. k*P + P - 1``
+form SP group ``k``; they get the same rows (``dp_rank == k``, as the core computes it) and each
+keeps chunk ``rank % P`` of every sequence (:func:`~.ulysses.shard_batch`, called from
+``prepare_inputs``). The model's attention implementation is switched to the registered Ulysses
+function (:mod:`.ulysses`) when the strategy wraps the model; nothing in the model code changes.
+
+Gradients. Every rank holds the whole model and back-propagates the token-*sum* loss of its own
+tokens, so the gradient of the global sum loss is the *sum* of all ranks' gradients (over ``sp`` and
+``dp`` alike). The module is wrapped in DDP over the whole world (the ``ddp`` strategy, which also
+provides ``no_sync`` for accumulation), which averages: it yields ``sum / world``. Hence
+``gradient_average_size == world size`` and ``gradient_scale(T) = world / T``, where ``T`` is
+``global_sum`` of the local token counts over *every* rank, giving ``d(sum loss) / T`` exactly.
+
+Outputs. ``forward`` (training) returns the local chunk's outputs (``logits`` ``[B, S/P, V]``), which
+the losses pair with the local ``shift_labels``. ``forward_only`` (eval mode, no grad) returns
+``logits`` gathered over the SP group and cut to the original length, so evaluation and generation
+code that pairs them with the original batch keep working.
+
+Options: ``inner_attn_implementation`` (default: the model's own when it is sdpa/flash, else sdpa),
+``pad_token_id`` (for the alignment padding, default 0), ``ignore_index`` (-100),
+``gather_eval_outputs`` (default True), ``shift_keys`` (loss-side keys whose ``[B, T]`` tensors are
+aligned with ``labels`` and shifted like them; see :func:`~.ulysses.shard_batch`), plus the ``ddp``
+strategy's options.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from twinkle_backend_hf.sequence_parallel import ulysses
+from twinkle_backend_hf.strategies import _dist
+from twinkle_backend_hf.strategies.ddp import DDPStrategy
+from twinkle_core import distributed
+from twinkle_core.errors import ConfigError
+from twinkle_core.mesh import DeviceMesh
+from twinkle_core.strategy import Strategy
+
+if TYPE_CHECKING:
+    from twinkle_core.accelerator import Accelerator
+
+_OWN_OPTIONS = ("inner_attn_implementation", "pad_token_id", "ignore_index", "gather_eval_outputs", "shift_keys")
+
+
+class UlyssesModule(torch.nn.Module):
+    """The strategy's wrapper: runs the (DDP-wrapped) model; gathers outputs in ``forward_only``."""
+
+    def __init__(self, module: torch.nn.Module, strategy: SequenceParallelStrategy) -> None:
+        super().__init__()
+        self.module = module
+        self._strategy = [strategy]  # a list: not registered as a submodule / not in state_dict
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.module(*args, **kwargs)
+        strategy = self._strategy[0]
+        if self.training or torch.is_grad_enabled() or not strategy.options["gather_eval_outputs"]:
+            return out
+        info = strategy.last_shard
+        if info is None or strategy.sp_size == 1:
+            return out
+        for key in ("logits", "last_hidden_state"):
+            value = out.get(key) if hasattr(out, "get") else None
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == info.local_length:
+                out[key] = ulysses.gather_sequence(value, strategy.sp_group, dim=1)[:, : info.length]
+        return out
+
+
+class SequenceParallelStrategy(DDPStrategy):
+    name = "ulysses"
+    averages_gradients = True
+
+    def __init__(self, mesh: DeviceMesh | None = None, *, inner_attn_implementation: str | None = None,
+                 pad_token_id: int = 0, ignore_index: int = -100, gather_eval_outputs: bool = True,
+                 shift_keys: tuple[str, ...] | list[str] = ulysses.SHIFT_KEYS, **ddp_options: Any) -> None:
+        try:
+            super().__init__(mesh, **ddp_options)
+        except ConfigError as exc:
+            raise ConfigError(f"strategy 'ulysses': {exc} (own options: {', '.join(_OWN_OPTIONS)})") from None
+        if inner_attn_implementation is not None:
+            ulysses._inner_function(inner_attn_implementation)  # validate early
+        self.options.update(inner_attn_implementation=inner_attn_implementation, pad_token_id=pad_token_id,
+                            ignore_index=ignore_index, gather_eval_outputs=gather_eval_outputs,
+                            shift_keys=tuple(shift_keys))
+        self.sp_group: Any = None
+        self.sp_size = 1
+        self.sp_rank = 0
+        self.last_shard: ulysses.ShardInfo | None = None
+
+    # ------------------------------------------------------------------ process groups
+    def setup(self, accelerator: Accelerator) -> None:
+        import torch.distributed as dist
+
+        _dist.ensure_process_group(accelerator.dist_backend)
+        if self.mesh is None:  # default: one SP group over every rank
+            self.mesh = DeviceMesh(sp=distributed.world_size())
+        Strategy.setup(self, accelerator)
+        _dist.check_mesh(self.name, self.mesh, allowed=("dp", "sp"))
+        if self.mesh.ep > 1:
+            raise ConfigError("strategy 'ulysses' does not implement expert parallelism (mesh.ep)")
+        sp, world, rank = self.mesh.sp, distributed.world_size(), distributed.rank()
+        self.sp_size, self.sp_rank = sp, rank % sp
+        self.sp_group = None
+        if sp > 1:
+            for start in range(0, world, sp):  # every rank creates every group, in the same order
+                group = dist.new_group(list(range(start, start + sp)))
+                if start <= rank < start + sp:
+                    self.sp_group = group
+        ulysses.set_sequence_parallel_group(self.sp_group)
+
+    # ------------------------------------------------------------------ module
+    def _switch_attention(self, module: torch.nn.Module) -> None:
+        model = _dist.base_model(module)
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(model, "set_attn_implementation"):
+            raise ConfigError(f"strategy 'ulysses' needs a transformers model; got {type(model).__name__}")
+        if getattr(config, "use_sliding_window", False) or any(
+                t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
+            raise ConfigError("strategy 'ulysses' does not support sliding-window / non-full attention layers")
+        current = config._attn_implementation
+        inner = self.options["inner_attn_implementation"] or ulysses.inner_of(current)
+        name = ulysses.register_ulysses_attention(inner)
+        if current != name:
+            model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            raise ConfigError(f"{type(model).__name__} does not dispatch attention through transformers' "
+                              f"AttentionInterface, so Ulysses sequence parallelism cannot be plugged in")
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads:
+            ulysses.kv_repeat_factor(heads, kv_heads, self.sp_size)  # fails early with a clear message
+
+    def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if isinstance(module, UlyssesModule):
+            return module
+        self._switch_attention(module)
+        return UlyssesModule(super().wrap_module(module), self)
+
+    def unwrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if isinstance(module, UlyssesModule):
+            module = module.module
+        return super().unwrap_module(module)
+
+    @contextlib.contextmanager
+    def no_sync(self, module: torch.nn.Module) -> Iterator[None]:
+        with super().no_sync(module.module if isinstance(module, UlyssesModule) else module):
+            yield
+
+    def prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        sharded, self.last_shard = ulysses.shard_batch(
+            inputs, self.sp_size, self.sp_rank, ignore_index=self.options["ignore_index"],
+            pad_token_id=self.options["pad_token_id"], shift_keys=self.options["shift_keys"])
+        return sharded
+
+    # ------------------------------------------------------------------ gradients
+    def global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over *every* rank: each holds a distinct share of the tokens (other rows or other chunks)."""
+        return distributed.all_reduce_sum(value, group=None)
+
+    @property
+    def gradient_average_size(self) -> int:
+        """DDP averages over the whole world (``dp * sp`` ranks), whose gradients must be summed."""
+        return distributed.world_size()
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "sp_size": self.sp_size}

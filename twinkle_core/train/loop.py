@@ -1,0 +1,633 @@
+"""The training loop behind ``twinkle train``: ``train(recipe) -> summary``.
+
+What it builds, in order: the plugin registry, the task (``task_options``), the tokenizer, the
+datasets (``task.load_dataset``), the model, the loss, optimizer and scheduler, and the data loader.
+Then, for every optimizer step, ``gradient_accumulation_steps`` micro-batches go through
+``model.forward_backward`` and one ``model.clip_grad_and_step`` applies them. It logs to
+``output_dir/logs.jsonl`` (and TensorBoard when installed), evaluates every ``eval_every`` steps
+and at the end, writes ``checkpoint-N`` every ``save_every`` steps (keeping ``save_total_limit``)
+and ``final`` at the end. ``resume`` (a checkpoint directory or ``latest``) continues a run
+exactly: weights, optimizer, scheduler, RNG and the data loader's position come back. On Ctrl+C,
+SIGTERM or an error mid-training, ``checkpoint-N-interrupted`` is saved before the error propagates
+(with several processes, only for Ctrl+C / SIGTERM, which every rank receives).
+
+Model constructor convention
+----------------------------
+Every registered model class (``twinkle_register_models``) is constructed by the loop as::
+
+    ModelClass(
+        model_id=<local directory resolved from model.model_id, or None>,
+        config=<model.config dict (a transformers config with model_type), or None>,
+        strategy=<strategy.name, a registered strategy such as "single" or "ddp">,
+        strategy_options=<strategy.options dict>,
+        mesh=<twinkle_core.mesh.DeviceMesh built from the recipe's mesh, or None>,
+        precision=<precision name: "no", "bf16", "fp16", "fp8" ...>,
+        task=<the Task instance>,
+        tokenizer=<the tokenizer>,
+        trust_remote_code=<bool, off unless the recipe or TWINKLE_TRUST_REMOTE_CODE turns it on>,
+        attn_implementation=<str or None>,
+        gradient_checkpointing=<bool>,
+        seed=<train.seed: the same initial weights on every rank>,
+        **model.options,
+    )
+
+The constructor sets the strategy up (which joins the ``torch.distributed`` process group under
+torchrun). Right after construction, before any adapter is added, the loop calls
+``task.prepare_model(model)`` (backends do not call it themselves). Models
+that know their data-parallel coordinates with model parallelism expose them as
+``model.strategy.dp_rank`` / ``model.strategy.dp_size``; otherwise every rank of the process
+group is a data-parallel rank. The learning rate is read from ``calculate_metric()["lr"]`` or
+``get_train_configs()`` (``lr``, or ``optimizer.lr``) for the logs.
+
+With ``model.adapter`` set, the loop calls ``add_adapter_to_model("default", adapter)`` and passes
+``adapter_name="default"`` to every later call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from twinkle_core import distributed
+from twinkle_core.errors import ConfigError
+from twinkle_core.train.logging import TrainLogger
+from twinkle_core.train.progress import progress_bar, progress_enabled
+from twinkle_core.train.recipe import (
+    Recipe,
+    load_recipe,
+    recipe_from_dict,
+    recipe_to_dict,
+    validate_plugin_names,
+)
+
+logger = logging.getLogger("twinkle.train")
+
+ADAPTER_NAME = "default"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)(-interrupted)?$")
+
+
+# ---------------------------------------------------------------------- small helpers (patchable in tests)
+def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def dataloader_class() -> Any:
+    from twinkle_core.data.loader import DataLoader
+
+    return DataLoader
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    import torch
+
+    torch.manual_seed(seed)
+
+
+def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[tuple[int, bool, Path]]:
+    """``(step, interrupted, path)`` of every checkpoint under ``output_dir``, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _CHECKPOINT.match(child.name)
+        if match:
+            found.append((int(match.group(1)), bool(match.group(2)), child))
+    # at equal steps the regular checkpoint counts as newer than an interrupted one
+    return sorted(found, key=lambda item: (item[0], not item[1]))
+
+
+def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
+    checkpoints = list_checkpoints(output_dir)
+    return checkpoints[-1][2] if checkpoints else None
+
+
+def prune_checkpoints(output_dir: str | os.PathLike[str], limit: int | None) -> list[Path]:
+    """Keep the newest ``limit`` ``checkpoint-N`` directories; interrupted ones older than the
+    newest kept checkpoint are superseded and go too. Returns what was removed."""
+    if not limit:
+        return []
+    checkpoints = list_checkpoints(output_dir)
+    regular = [c for c in checkpoints if not c[1]]
+    doomed = regular[:-limit] if len(regular) > limit else []
+    if regular:
+        newest = regular[-1][0]
+        doomed += [c for c in checkpoints if c[1] and c[0] <= newest]
+    removed = []
+    for _, _, path in doomed:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def _loss_and_tokens(result: Any) -> tuple[float, float]:
+    """``(summed loss, tokens)`` from a ``LossOutput``, an outputs mapping or a bare (mean) tensor."""
+    if isinstance(result, dict):
+        loss, tokens = result.get("loss"), result.get("num_tokens", 1)
+        mean = True
+    elif hasattr(result, "loss") and hasattr(result, "num_tokens"):
+        loss, tokens = result.loss, result.num_tokens
+        mean = False
+    else:
+        loss, tokens, mean = result, 1, True
+    if loss is None:
+        return 0.0, 0.0
+    loss_f = float(loss.detach() if hasattr(loss, "detach") else loss)
+    tokens_f = float(tokens)
+    return (loss_f * tokens_f if mean else loss_f), tokens_f
+
+
+def _batch_tokens(batch: Any) -> float:
+    if not isinstance(batch, dict):
+        return 0.0
+    mask = batch.get("attention_mask")
+    if mask is not None and hasattr(mask, "sum"):
+        return float(mask.sum())
+    ids = batch.get("input_ids")
+    if ids is not None and hasattr(ids, "numel"):
+        return float(ids.numel())
+    return 0.0
+
+
+def _find_lr(model: Any, adapter_name: str | None, metrics: dict[str, Any]) -> float | None:
+    if isinstance(metrics.get("lr"), (int, float)):
+        return float(metrics["lr"])
+    try:
+        configs = model.get_train_configs(adapter_name=adapter_name)
+    except Exception:
+        return None
+    if not isinstance(configs, dict):
+        return None
+    for holder in (configs, configs.get("optimizer"), configs.get("lr_scheduler"), configs.get("scheduler")):
+        if isinstance(holder, dict):
+            for key in ("lr", "learning_rate", "last_lr"):
+                value = holder.get(key)
+                if isinstance(value, (list, tuple)) and value:
+                    value = value[0]
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    return float(value)
+    return None
+
+
+def _round(value: Any, digits: int = 6) -> Any:
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.{digits}g}")
+    return value
+
+
+class _SigtermAsInterrupt:
+    """Turn SIGTERM (torchrun, schedulers) into KeyboardInterrupt so the interrupted checkpoint is written."""
+
+    def __enter__(self) -> _SigtermAsInterrupt:
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            def handler(signum: int, frame: Any) -> None:
+                raise KeyboardInterrupt(f"received signal {signum}")
+
+            try:
+                self.previous = signal.signal(signal.SIGTERM, handler)
+            except (ValueError, OSError):
+                self.previous = None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+def _bar_friendly_logging(show_bar: bool) -> Any:
+    """While the progress bar is shown, log lines go through tqdm.write so they do not break it."""
+    import contextlib
+
+    if not show_bar:
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm()
+
+
+# ---------------------------------------------------------------------- trainer
+class Trainer:
+    """One training run. ``Trainer(recipe).run()`` is what :func:`train` does."""
+
+    def __init__(self, recipe: Recipe, *, resume: str | None = None) -> None:
+        self.recipe = recipe
+        self.resume_spec = resume if resume is not None else recipe.train.resume
+        self.output_dir = Path(recipe.train.output_dir)
+        self.adapter_name: str | None = ADAPTER_NAME if recipe.model.adapter else None
+        self.step = 0
+        self.epoch = 0
+        self.total_steps = 0
+        self.loader: Any = None
+        self._iter: Any = None
+        self._empty_epochs = 0
+        self._boundary: dict[str, Any] = {}
+        self._last_saved_step = -1
+        self.checkpoints: list[str] = []
+        self.model: Any = None
+
+    # ------------------------------------------------------------------ building
+    def build(self) -> None:
+        r = self.recipe
+        from twinkle_core.plugins import get_plugins
+        from twinkle_core.sources.resolve import resolve_model, trust_remote_code
+
+        plugins = get_plugins()
+        validate_plugin_names(r, plugins)
+        seed_everything(r.train.seed)
+
+        task_cls = plugins.load("task", r.task)
+        self.task = task_cls(**r.task_options)
+
+        trust = trust_remote_code(r.model.trust_remote_code)
+        model_dir = resolve_model(r.model.model_id, revision=r.model.revision) if r.model.model_id else None
+        tokenizer_uri = r.model.tokenizer or r.model.model_id
+        if tokenizer_uri == r.model.model_id and model_dir is not None:
+            tokenizer_dir = model_dir
+        else:
+            tokenizer_dir = resolve_model(tokenizer_uri)
+        self.tokenizer = load_tokenizer(tokenizer_dir, trust)
+
+        data_options = dict(r.data.options)
+        for key in ("max_length", "mode", "packing"):
+            value = getattr(r.data, key)
+            if value is not None:
+                data_options[key] = value
+        self.train_dataset = self.task.load_dataset(r.data.train, self.tokenizer, **data_options)
+        self.eval_dataset = (self.task.load_dataset(r.data.eval, self.tokenizer, **data_options)
+                             if r.data.eval else None)
+
+        mesh = None
+        if r.mesh:
+            from twinkle_core.mesh import DeviceMesh
+
+            mesh = DeviceMesh(**r.mesh)
+        self.mesh = mesh
+        model_cls = plugins.load("model", r.model.class_name)
+        self.model = model_cls(
+            model_id=model_dir,
+            config=r.model.config,
+            strategy=r.strategy.name,
+            strategy_options=dict(r.strategy.options),
+            mesh=mesh,
+            precision=r.precision,
+            task=self.task,
+            tokenizer=self.tokenizer,
+            trust_remote_code=trust,
+            attn_implementation=r.model.attn_implementation,
+            gradient_checkpointing=r.model.gradient_checkpointing,
+            seed=r.train.seed,
+            **r.model.options,
+        )
+        model, name = self.model, self.adapter_name
+        self.task.prepare_model(model)
+        if r.model.adapter:
+            model.add_adapter_to_model(ADAPTER_NAME, dict(r.model.adapter))
+        loss_name = r.loss.name or getattr(self.task, "default_loss", "") or None
+        if loss_name is None:
+            raise ConfigError(f"loss.name: the task {r.task!r} has no default loss; set loss.name")
+        model.set_loss(loss_name, adapter_name=name, **r.loss.options)
+        model.set_optimizer(r.optimizer.name, adapter_name=name, lr=r.optimizer.lr,
+                            weight_decay=r.optimizer.weight_decay, **r.optimizer.options)
+
+        self.dp_rank, self.dp_size = self._data_parallel_coords()
+        self.loader = self._make_loader(self.train_dataset, shuffle=r.data.shuffle)
+        micro_batches = len(self.loader)
+        ga = r.train.gradient_accumulation_steps
+        if micro_batches == 0:
+            raise ConfigError(f"data.train ({r.data.train}) yields no batches for this rank (data.batch_size="
+                              f"{r.data.batch_size}, {self.dp_size or 1} data-parallel ranks)")
+        if r.train.max_steps is not None:
+            self.total_steps = r.train.max_steps
+        else:
+            self.total_steps = (r.train.num_epochs * micro_batches) // ga
+            if self.total_steps == 0:
+                raise ConfigError(
+                    f"train.gradient_accumulation_steps={ga} needs {ga} micro-batches per optimizer step but "
+                    f"data.train yields only {micro_batches} per epoch on this rank; lower it or raise "
+                    f"train.num_epochs")
+        self.micro_batches_per_epoch = micro_batches
+        s = r.lr_scheduler
+        warmup = s.warmup_steps if s.warmup_steps is not None else int(round((s.warmup_ratio or 0.0)
+                                                                             * self.total_steps))
+        model.set_lr_scheduler(s.name, adapter_name=name, num_training_steps=self.total_steps,
+                               num_warmup_steps=warmup, **s.options)
+
+    def _data_parallel_coords(self) -> tuple[int | None, int | None]:
+        strategy = getattr(self.model, "strategy", None)
+        rank, size = getattr(strategy, "dp_rank", None), getattr(strategy, "dp_size", None)
+        if isinstance(rank, int) and isinstance(size, int) and not isinstance(rank, bool):
+            return rank, size
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, None
+        world, rank = dist.get_world_size(), dist.get_rank()
+        mesh = self.mesh
+        if mesh is None or mesh.data_parallel_size == world:
+            return rank, world
+        if mesh.data_parallel_size == 1:
+            return 0, 1
+        raise ConfigError(
+            f"mesh has {mesh.data_parallel_size} data-parallel ranks out of {world}, but the model's strategy does "
+            f"not say which one this process is (strategy.dp_rank); this model class cannot be trained with that mesh")
+
+    def _make_loader(self, dataset: Any, *, shuffle: bool) -> Any:
+        r = self.recipe
+        seed = r.data.seed if r.data.seed is not None else r.train.seed
+        cls = dataloader_class()
+        return cls(dataset, r.data.batch_size, self.task.collate, shuffle=shuffle, seed=seed, drop_last=False,
+                   dp_rank=self.dp_rank, dp_size=self.dp_size)
+
+    # ------------------------------------------------------------------ data
+    def _next_batch(self) -> Any:
+        while True:
+            if self._iter is None:
+                self._iter = iter(self.loader)
+            try:
+                batch = next(self._iter)
+            except StopIteration:
+                self._iter = None
+                self._empty_epochs += 1
+                if self._empty_epochs > 2:
+                    raise ConfigError("the training data loader yields no batches") from None
+                self.epoch += 1
+                self.loader.set_epoch(self.epoch)
+                continue
+            self._empty_epochs = 0
+            return batch
+
+    def _mark_boundary(self) -> None:
+        """Remember the state after a complete optimizer step (what an interrupted checkpoint saves)."""
+        self._boundary = {"step": self.step, "epoch": self.epoch, "loader": self.loader.state_dict()}
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, name: str, state: dict[str, Any] | None = None, **kwargs: Any) -> str:
+        state = state or {"step": self.step, "epoch": self.epoch, "loader": self.loader.state_dict()}
+        extra = {**state, "total_steps": self.total_steps}
+        path = self.model.save(name, output_dir=str(self.output_dir), adapter_name=self.adapter_name,
+                               extra_state=extra, **kwargs)
+        self._last_saved_step = state["step"]
+        return str(path) if path is not None else str(self.output_dir / name)
+
+    def _save_checkpoint(self) -> None:
+        path = self._save(f"checkpoint-{self.step}")
+        self.checkpoints.append(path)
+        logger.info("saved %s", path)
+        if self.is_main:
+            for removed in prune_checkpoints(self.output_dir, self.recipe.train.save_total_limit):
+                logger.info("removed old checkpoint %s", removed)
+        distributed.barrier()
+
+    def _save_interrupted(self, exc: BaseException) -> str | None:
+        state = self._boundary
+        if not state or state["step"] <= max(self._last_saved_step, 0):
+            logger.warning("no optimizer step since the last checkpoint; nothing more to save")
+            return None
+        if distributed.world_size() > 1 and not isinstance(exc, KeyboardInterrupt):
+            logger.error("an error on this rank stopped training; with several processes the interrupted "
+                         "checkpoint is only written on Ctrl+C / SIGTERM (the others may be blocked)")
+            return None
+        name = f"checkpoint-{state['step']}-interrupted"
+        try:
+            path = self._save(name, dict(state))
+        except BaseException as save_exc:  # never hide the original error
+            logger.error("could not save the interrupted checkpoint %s: %s", name, save_exc)
+            return None
+        logger.warning("training stopped at step %d (%s); saved %s — continue with --resume latest",
+                       state["step"], type(exc).__name__, path)
+        self.checkpoints.append(path)
+        return path
+
+    def _resume(self) -> str | None:
+        spec = self.resume_spec
+        if not spec:
+            return None
+        if spec == "latest":
+            path = latest_checkpoint(self.output_dir)
+            if path is None:
+                logger.warning("--resume latest: no checkpoint under %s yet; starting from scratch", self.output_dir)
+                return None
+        else:
+            path = Path(spec).expanduser()
+            if not path.exists() and (self.output_dir / spec).exists():
+                path = self.output_dir / spec
+            if not path.exists():
+                raise ConfigError(f"train.resume: checkpoint {spec!r} does not exist")
+        extra = self.model.resume_from_checkpoint(str(path), adapter_name=self.adapter_name) or {}
+        self.step = int(extra.get("step", 0))
+        self.epoch = int(extra.get("epoch", 0))
+        self.loader.set_epoch(self.epoch)
+        if extra.get("loader") is not None:
+            self.loader.load_state_dict(extra["loader"])
+        else:
+            logger.warning("%s has no data-loader state; the data order restarts from the epoch's beginning", path)
+        self._last_saved_step = self.step
+        logger.info("resumed from %s at step %d (epoch %d)", path, self.step, self.epoch)
+        return str(path)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict[str, float]:
+        r = self.recipe
+        model, name = self.model, self.adapter_name
+        metrics: dict[str, float] = {}
+        if self.eval_dataset is not None:
+            loss_sum = tokens = 0.0
+            for batch in self._make_loader(self.eval_dataset, shuffle=False):
+                outputs = model.forward_only(inputs=batch, adapter_name=name)
+                result = model.calculate_loss(inputs=batch, outputs=outputs, adapter_name=name)
+                batch_loss, batch_tokens = _loss_and_tokens(result)
+                loss_sum += batch_loss
+                tokens += batch_tokens
+            loss_sum, tokens = self._global_sum(loss_sum, tokens)
+            metrics["eval_loss"] = loss_sum / tokens if tokens else float("nan")
+            if tokens and math.isfinite(metrics["eval_loss"]) and metrics["eval_loss"] < 50:
+                metrics["eval_ppl"] = math.exp(metrics["eval_loss"])
+        extra: dict[str, Any] = {}
+        if r.train.evaluate_options is not None:
+            extra = self.task.evaluate(model, self.eval_dataset, self.tokenizer, **r.train.evaluate_options) or {}
+        for key, value in extra.items():
+            metrics[key if key.startswith("eval_") else f"eval_{key}"] = value
+        # evaluation forwards must not leak into the training metrics
+        model.calculate_metric(adapter_name=name, reset=True)
+        return metrics
+
+    @staticmethod
+    def _global_sum(*values: float) -> tuple[float, ...]:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return values
+        import torch
+
+        tensor = torch.tensor(values, dtype=torch.float64)
+        backend = dist.get_backend()
+        if backend == "nccl":
+            tensor = tensor.cuda()
+        dist.all_reduce(tensor)
+        return tuple(float(v) for v in tensor.cpu())
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict[str, Any]:
+        started = time.time()
+        r, t = self.recipe, self.recipe.train
+        self.build()
+        self.is_main = distributed.is_main_process()
+        if self.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            import yaml
+
+            (self.output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(r), sort_keys=False))
+        resumed_from = self._resume()
+        self._mark_boundary()
+
+        model, name = self.model, self.adapter_name
+        ga = t.gradient_accumulation_steps
+        eval_enabled = self.eval_dataset is not None or t.evaluate_options is not None
+        show_bar = progress_enabled(self.is_main)
+        log = TrainLogger(self.output_dir, enabled=self.is_main)
+        bar = progress_bar(self.total_steps, self.step, enabled=show_bar)
+        if self.is_main:
+            logger.info("training %d optimizer steps (%d micro-batches per epoch per rank, %d accumulated per step)"
+                        " from step %d; output in %s", self.total_steps, self.micro_batches_per_epoch, ga,
+                        self.step, self.output_dir)
+        eval_before = eval_after = None
+        train_metrics: dict[str, Any] = {}
+        final_path = None
+        window = self._new_window()
+        try:
+            with _SigtermAsInterrupt(), _bar_friendly_logging(show_bar):
+                if t.eval_before_training and eval_enabled and self.step == 0:
+                    eval_before = self.evaluate()
+                    log.log("eval", self.step, eval_before)
+                window = self._new_window()
+                while self.step < self.total_steps:
+                    for _ in range(ga):
+                        batch = self._next_batch()
+                        outputs = model.forward_backward(inputs=batch, adapter_name=name)
+                        loss, tokens = _loss_and_tokens(outputs)
+                        window["loss"] += loss
+                        window["tokens"] += tokens
+                        window["input_tokens"] += _batch_tokens(batch)
+                    grad_norm = model.clip_grad_and_step(max_grad_norm=t.max_grad_norm, adapter_name=name)
+                    self.step += 1
+                    self._mark_boundary()
+                    bar.update(1)
+                    is_eval_step = eval_enabled and t.eval_every is not None and self.step % t.eval_every == 0
+                    if self.step % t.log_every == 0 or self.step == self.total_steps or is_eval_step:
+                        train_metrics = self._log_step(log, bar, window, grad_norm, started, show_bar)
+                        window = self._new_window()
+                    paused = time.time()
+                    if is_eval_step and self.step != self.total_steps:
+                        log.log("eval", self.step, self._report_eval(self.evaluate()))
+                    if t.save_every is not None and self.step % t.save_every == 0:
+                        self._save_checkpoint()
+                    window["paused"] += time.time() - paused  # not training time for tokens/s
+                if eval_enabled:
+                    eval_after = self._report_eval(self.evaluate())
+                    log.log("eval", self.step, eval_after)
+                final_path = self._save("final", save_optimizer=False)
+                self.checkpoints.append(final_path)
+        except BaseException as exc:
+            bar.close()
+            self._save_interrupted(exc)
+            raise
+        finally:
+            bar.close()
+            log.close()
+        summary = {
+            "output_dir": str(self.output_dir),
+            "steps": self.step,
+            "num_training_steps": self.total_steps,
+            "epoch": self.epoch,
+            "resumed_from": resumed_from,
+            "train_metrics": train_metrics,
+            "eval_before": eval_before,
+            "eval_after": eval_after,
+            "final_checkpoint": final_path,
+            "checkpoints": list(self.checkpoints),
+            "wall_time_s": round(time.time() - started, 3),
+        }
+        if self.is_main:
+            import json
+
+            from twinkle_core.train.logging import _plain
+
+            (self.output_dir / "summary.json").write_text(json.dumps(_plain(summary), indent=2) + "\n")
+        return summary
+
+    @staticmethod
+    def _new_window() -> dict[str, float]:
+        return {"loss": 0.0, "tokens": 0.0, "input_tokens": 0.0, "time": time.time(), "paused": 0.0}
+
+    def _report_eval(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.is_main:
+            text = " ".join(f"{k} {_round(v, 4)}" for k, v in metrics.items())
+            logger.info("step %d/%d eval: %s", self.step, self.total_steps, text)
+        return metrics
+
+    def _log_step(self, log: TrainLogger, bar: Any, window: dict[str, float], grad_norm: Any, started: float,
+                  show_bar: bool) -> dict[str, Any]:
+        metrics = dict(self.model.calculate_metric(adapter_name=self.adapter_name, reset=True) or {})
+        loss = metrics.pop("loss", None)
+        if loss is None and window["tokens"]:
+            loss = window["loss"] / window["tokens"]
+        now = time.time()
+        interval = max(now - window["time"] - window["paused"], 1e-9)
+        values: dict[str, Any] = {
+            "epoch": self.epoch,
+            "loss": _round(float(loss)) if loss is not None else None,
+            "lr": _find_lr(self.model, self.adapter_name, metrics),
+            "grad_norm": _round(float(grad_norm)) if grad_norm is not None else None,
+            "tokens_per_s": round(window["input_tokens"] * (self.dp_size or 1) / interval, 1),
+            "elapsed_s": round(now - started, 3),
+        }
+        metrics.pop("lr", None)
+        values.update({k: _round(v) if isinstance(v, float) else v for k, v in metrics.items()})
+        record = log.log("train", self.step, values)
+        if self.is_main:
+            if show_bar:
+                bar.set_postfix(loss=values["loss"], lr=values["lr"], refresh=False)
+            else:
+                logger.info("step %d/%d loss %s lr %s grad_norm %s tokens/s %s", self.step, self.total_steps,
+                            values["loss"], _round(values["lr"], 3) if values["lr"] is not None else None,
+                            _round(values["grad_norm"], 4) if values["grad_norm"] is not None else None,
+                            values["tokens_per_s"])
+        return record
+
+
+def train(recipe: Recipe | str | os.PathLike[str] | dict[str, Any], *, overrides: list[str] | None = None,
+          resume: str | None = None) -> dict[str, Any]:
+    """Train as the recipe says; return a summary (final metrics, evaluation before/after, paths, wall time).
+
+    ``recipe`` is a :class:`Recipe`, a YAML path or a mapping; ``resume`` is a checkpoint directory or
+    ``"latest"`` (default: ``train.resume``).
+    """
+    if isinstance(recipe, (str, os.PathLike)):
+        recipe = load_recipe(recipe, overrides)
+    elif isinstance(recipe, dict):
+        recipe = recipe_from_dict(recipe, overrides)
+    elif overrides:
+        recipe = recipe_from_dict(recipe_to_dict(recipe), overrides)
+    return Trainer(recipe, resume=resume).run()

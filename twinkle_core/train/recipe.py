@@ -1,0 +1,578 @@
+"""Training recipes: a YAML file of nested sections, validated strictly before anything is built.
+
+A recipe names the task, the model and how to train it::
+
+    task: causal_lm
+    model:
+      class_name: TransformersModel
+      model_id: hf://Qwen/Qwen2.5-0.5B
+      adapter: {type: lora, r: 8, alpha: 16, target_modules: all-linear}
+    strategy: {name: ddp}
+    precision: bf16
+    data: {train: data/train.jsonl, eval: data/eval.jsonl, max_length: 1024, batch_size: 4}
+    optimizer: {name: AdamW, lr: 1.0e-4}
+    lr_scheduler: {name: cosine, warmup_ratio: 0.05}
+    train: {output_dir: runs/qwen-lora, num_epochs: 1, gradient_accumulation_steps: 4}
+
+Every key is checked: an unknown key or a value of the wrong type is a :class:`ConfigError`
+naming the full key path (``train.max_step: unknown key; did you mean train.max_steps?``).
+``load_recipe(path, ["optimizer.lr=3e-4", "train.max_steps=10"])`` applies overrides whose values
+are parsed as YAML.
+
+Paths (``model.model_id``, ``model.tokenizer``, ``data.train``, ``data.eval``, ``train.output_dir``)
+written in a recipe file are relative to that file; paths given as overrides on the command line
+are relative to the working directory. URIs with a scheme (``hf://``, ``ms://``) are left alone.
+
+This module imports neither torch nor any backend, so ``twinkle train`` validates a recipe
+before it launches anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from twinkle_core.errors import ConfigError, PluginNotFoundError
+
+__all__ = [
+    "DataConfig",
+    "LossConfig",
+    "LRSchedulerConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "Recipe",
+    "StrategyConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "load_recipe",
+    "parse_override",
+    "recipe_from_dict",
+    "recipe_to_dict",
+    "validate_plugin_names",
+]
+
+_PATH = {"path": True}
+_PATH_ALWAYS = {"path": "always"}
+
+
+# ---------------------------------------------------------------------- schema
+@dataclass
+class ModelConfig:
+    #: registered model class (``twinkle plugins`` lists them)
+    class_name: str = "TransformersModel"
+    #: where the weights come from: a local directory, ``hf://org/name`` or ``ms://org/name``
+    model_id: str | None = field(default=None, metadata=_PATH)
+    #: revision (branch, tag or commit) of a hub model; also ``hf://org/name@revision``
+    revision: str | None = None
+    #: a transformers config (must contain ``model_type``) to build a randomly initialised model
+    config: dict[str, Any] | None = None
+    #: tokenizer location (default: ``model_id``)
+    tokenizer: str | None = field(default=None, metadata=_PATH)
+    #: allow the model repository to run its own code; ``null`` defers to TWINKLE_TRUST_REMOTE_CODE (off)
+    trust_remote_code: bool | None = None
+    attn_implementation: str | None = None
+    gradient_checkpointing: bool = False
+    #: a trainable adapter (e.g. ``{type: lora, r: 8, alpha: 16, target_modules: [q_proj, v_proj]}``)
+    adapter: dict[str, Any] | None = None
+    #: passed through to the model class as keyword arguments
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "single"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataConfig:
+    train: str | None = field(default=None, metadata=_PATH)
+    eval: str | None = field(default=None, metadata=_PATH)
+    max_length: int | None = None
+    #: ``chat`` (messages, loss on the assistant turns) or ``pretrain`` (plain text)
+    mode: str | None = None
+    packing: bool | None = None
+    #: micro-batch size per data-parallel rank
+    batch_size: int = 1
+    shuffle: bool = True
+    #: shuffling seed (default: ``train.seed``)
+    seed: int | None = None
+    #: further keyword arguments for ``task.load_dataset``
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LossConfig:
+    #: registered loss (default: the task's ``default_loss``)
+    name: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "AdamW"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LRSchedulerConfig:
+    name: str = "cosine"
+    warmup_steps: int | None = None
+    warmup_ratio: float | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = field(default="outputs", metadata=_PATH_ALWAYS)
+    #: optimizer steps; default ``num_epochs`` passes over the training data
+    max_steps: int | None = None
+    num_epochs: int = 1
+    gradient_accumulation_steps: int = 1
+    #: ``null`` disables clipping
+    max_grad_norm: float | None = 1.0
+    seed: int = 42
+    log_every: int = 1
+    eval_every: int | None = None
+    save_every: int | None = None
+    #: keep at most this many ``checkpoint-N`` directories (oldest are removed)
+    save_total_limit: int | None = None
+    eval_before_training: bool = False
+    #: ``null``: evaluation is the loss on ``data.eval``; a mapping (even ``{}``) also runs
+    #: ``task.evaluate(model, eval_dataset, tokenizer, **evaluate_options)`` and logs its metrics
+    evaluate_options: dict[str, Any] | None = None
+    #: a checkpoint directory, or ``latest`` (the newest under ``output_dir``); ``twinkle train --resume``
+    resume: str | None = None
+
+
+@dataclass
+class Recipe:
+    task: str = "causal_lm"
+    task_options: dict[str, Any] = field(default_factory=dict)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    #: DeviceMesh sizes (``{dp: 2, tp: 2}``); default: the strategy decides
+    mesh: dict[str, int] | None = None
+    #: ``no``, ``bf16``, ``fp16`` or ``fp8`` (or a plugin's precision)
+    precision: str = "no"
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# Names other frameworks use, so a misplaced key gets a useful suggestion.
+_ALIASES = {
+    "learning_rate": "optimizer.lr",
+    "lr": "optimizer.lr",
+    "weight_decay": "optimizer.weight_decay",
+    "optim": "optimizer.name",
+    "per_device_train_batch_size": "data.batch_size",
+    "micro_batch_size": "data.batch_size",
+    "batch_size": "data.batch_size",
+    "max_seq_length": "data.max_length",
+    "max_length": "data.max_length",
+    "seq_length": "data.max_length",
+    "num_train_epochs": "train.num_epochs",
+    "epochs": "train.num_epochs",
+    "warmup_steps": "lr_scheduler.warmup_steps",
+    "warmup_ratio": "lr_scheduler.warmup_ratio",
+    "lr_scheduler_type": "lr_scheduler.name",
+    "scheduler": "lr_scheduler",
+    "gradient_accumulation": "train.gradient_accumulation_steps",
+    "logging_steps": "train.log_every",
+    "eval_steps": "train.eval_every",
+    "save_steps": "train.save_every",
+    "model_name_or_path": "model.model_id",
+    "model_name": "model.model_id",
+    "lora": "model.adapter",
+    "peft": "model.adapter",
+    "bf16": "precision",
+    "fp16": "precision",
+    "mixed_precision": "precision",
+    "dataset": "data.train",
+    "train_file": "data.train",
+    "eval_file": "data.eval",
+    "resume_from_checkpoint": "train.resume",
+}
+
+# keyword arguments the training loop passes to every model class (see twinkle_core.train.loop)
+_CONSTRUCTOR_KEYS_FROM = {
+    "model_id": "model.model_id", "config": "model.config", "strategy": "strategy.name",
+    "strategy_options": "strategy.options", "mesh": "mesh", "precision": "precision", "task": "task",
+    "tokenizer": "model.tokenizer", "trust_remote_code": "model.trust_remote_code",
+    "attn_implementation": "model.attn_implementation", "gradient_checkpointing": "model.gradient_checkpointing",
+    "seed": "train.seed",
+}
+_CONSTRUCTOR_KEYS = set(_CONSTRUCTOR_KEYS_FROM)
+
+_MESH_KEYS = ("dp", "fsdp", "tp", "pp", "vpp", "cp", "sp", "ep")
+
+
+# ---------------------------------------------------------------------- generic validation
+class _Errors(list):
+    def add(self, path: str, message: str) -> None:
+        self.append(f"{path}: {message}" if path else message)
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _all_paths(cls: type, prefix: str = "") -> list[str]:
+    out: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path = _join(prefix, f.name)
+        out.append(path)
+        tp = _unwrap_optional(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            out.extend(_all_paths(tp, path))
+    return out
+
+
+def _suggest(prefix: str, key: str, siblings: list[str]) -> str:
+    close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
+    if close:
+        return _join(prefix, close[0])
+    alias = _ALIASES.get(key) or next(iter(
+        _ALIASES[k] for k in difflib.get_close_matches(key, list(_ALIASES), n=1, cutoff=0.8)), None)
+    if alias:
+        return alias
+    everything = _all_paths(Recipe)
+    leaves = {p.rsplit(".", 1)[-1]: p for p in everything}
+    close = difflib.get_close_matches(key, list(leaves), n=1, cutoff=0.75)
+    return leaves[close[0]] if close else ""
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        parts = [_describe(a) for a in args if a is not type(None)]
+        text = " or ".join(parts)
+        return f"{text} or null" if type(None) in args else text
+    if dataclasses.is_dataclass(tp) or tp is dict or origin is dict:
+        return "a mapping"
+    if tp is list or origin is list:
+        return "a list"
+    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(tp, str(tp))
+
+
+def _got(value: Any) -> str:
+    name = {str: "string", int: "integer", float: "number", bool: "boolean", list: "list", dict: "mapping",
+            type(None): "null"}.get(type(value), type(value).__name__)
+    text = repr(value)
+    return f"{name} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _convert(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        choices = [a for a in args if a is not type(None)]
+        if len(choices) == 1:
+            trial = _Errors()
+            result = _convert(value, choices[0], path, trial)
+            if len(trial) == 1 and trial[0].startswith(f"{path}: expected "):
+                errors.add(path, f"expected {_describe(tp)}, got {_got(value)}")
+            else:
+                errors.extend(trial)
+            return result
+        for choice in choices:
+            trial = _Errors()
+            result = _convert(value, choice, path, trial)
+            if not trial:
+                return result
+        errors.add(path, f"expected {_describe(tp)}, got {_got(value)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path, errors)
+    if tp is bool:
+        if not isinstance(value, bool):
+            errors.add(path, f"expected true or false, got {_got(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            errors.add(path, f"expected an integer, got {_got(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            errors.add(path, f"expected a number, got {_got(value)}")
+            return value
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        errors.add(path, f"expected a number, got {_got(value)}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            errors.add(path, f"expected a string, got {_got(value)} (quote it in YAML)")
+        return value
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            errors.add(path, f"expected a mapping, got {_got(value)}")
+            return value
+        key_tp, val_tp = (typing.get_args(tp) or (str, Any))
+        out = {}
+        for k, v in value.items():
+            if key_tp is str and not isinstance(k, str):
+                errors.add(_join(path, str(k)), f"keys must be strings, got {_got(k)}")
+                continue
+            out[k] = _convert(v, val_tp, _join(path, str(k)), errors)
+        return out
+    if tp is list or origin is list:
+        if not isinstance(value, (list, tuple)):
+            errors.add(path, f"expected a list, got {_got(value)}")
+            return value
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        return [_convert(v, item_tp, f"{path}[{i}]", errors) for i, v in enumerate(value)]
+    raise TypeError(f"recipe schema uses an unsupported type {tp!r} at {path}")
+
+
+def _build(cls: type, raw: Any, path: str, errors: _Errors) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        errors.add(path, f"expected a mapping, got {_got(raw)}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in hints:
+            key_text = str(key)
+            suggestion = _suggest(path, key_text, names)
+            hint = f"did you mean {suggestion}?" if suggestion else f"known keys: {', '.join(names)}"
+            errors.add(_join(path, key_text), f"unknown key; {hint}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in raw:
+            kwargs[f.name] = _convert(raw[f.name], hints[f.name], _join(path, f.name), errors)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # only reachable through a schema bug
+        errors.add(path, str(exc))
+        return cls()
+
+
+# ---------------------------------------------------------------------- semantic checks
+def _check(recipe: Recipe, errors: _Errors) -> None:
+    def positive(path: str, value: Any, allow_none: bool = True, zero: bool = False) -> None:
+        if value is None:
+            if not allow_none:
+                errors.add(path, "is required")
+            return
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if value < 0 or (value == 0 and not zero):
+                errors.add(path, f"must be {'>= 0' if zero else '> 0'}, got {value!r}")
+
+    if not isinstance(recipe.task, str) or not recipe.task:
+        errors.add("task", "must name a task (e.g. causal_lm)")
+    m = recipe.model
+    if isinstance(m.class_name, str) and not m.class_name:
+        errors.add("model.class_name", "must not be empty")
+    if isinstance(m.options, dict):
+        for key in sorted(set(m.options) & _CONSTRUCTOR_KEYS):
+            where = _CONSTRUCTOR_KEYS_FROM.get(key, f"model.{key}")
+            errors.add(f"model.options.{key}", f"is set by the recipe itself; use {where} instead")
+    if m.model_id is None and m.config is None:
+        errors.add("model", "set model.model_id (a path, hf://org/name or ms://org/name) or model.config "
+                            "(a transformers config with model_type)")
+    if isinstance(m.config, dict) and m.model_id is None and "model_type" not in m.config:
+        errors.add("model.config", "must contain model_type (e.g. model_type: qwen2) to build a model from it")
+    if m.model_id is None and m.tokenizer is None:
+        errors.add("model.tokenizer", "is required when the model is built from model.config")
+    if isinstance(recipe.mesh, dict):
+        for key in recipe.mesh:
+            if key not in _MESH_KEYS:
+                close = difflib.get_close_matches(str(key), _MESH_KEYS, n=1)
+                hint = f"did you mean mesh.{close[0]}?" if close else f"known: {', '.join(_MESH_KEYS)}"
+                errors.add(f"mesh.{key}", f"unknown mesh dimension; {hint}")
+        if not any(e.startswith("mesh.") for e in errors):
+            from twinkle_core.mesh import DeviceMesh
+
+            try:
+                DeviceMesh(**recipe.mesh)
+            except ConfigError as exc:
+                errors.add("", str(exc))
+    d = recipe.data
+    if d.train is None:
+        errors.add("data.train", "is required (the training data file)")
+    positive("data.batch_size", d.batch_size)
+    positive("data.max_length", d.max_length)
+    if recipe.task == "causal_lm" and d.mode is not None and d.mode not in ("chat", "pretrain"):
+        errors.add("data.mode", f"must be 'chat' or 'pretrain', got {d.mode!r}")
+    o = recipe.optimizer
+    positive("optimizer.lr", o.lr)
+    positive("optimizer.weight_decay", o.weight_decay, zero=True)
+    s = recipe.lr_scheduler
+    positive("lr_scheduler.warmup_steps", s.warmup_steps, zero=True)
+    if isinstance(s.warmup_ratio, float) and not 0.0 <= s.warmup_ratio < 1.0:
+        errors.add("lr_scheduler.warmup_ratio", f"must be in [0, 1), got {s.warmup_ratio!r}")
+    if s.warmup_steps is not None and s.warmup_ratio is not None:
+        errors.add("lr_scheduler", "set warmup_steps or warmup_ratio, not both")
+    t = recipe.train
+    for key in ("max_steps", "num_epochs", "gradient_accumulation_steps", "max_grad_norm", "log_every",
+                "eval_every", "save_every", "save_total_limit"):
+        positive(f"train.{key}", getattr(t, key))
+    if isinstance(t.output_dir, str) and not t.output_dir:
+        errors.add("train.output_dir", "must not be empty")
+    if t.eval_every is not None and d.eval is None and t.evaluate_options is None:
+        errors.add("train.eval_every", "is set but there is nothing to evaluate: set data.eval")
+
+
+# ---------------------------------------------------------------------- paths and overrides
+def _resolve_paths(raw: dict[str, Any], base_dir: Path, cls: type = Recipe) -> None:
+    """Make the recipe file's relative paths relative to the file (in place, before validation)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        value = raw.get(f.name)
+        tp = _unwrap_optional(hints[f.name])
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            _resolve_paths(value, base_dir, tp)
+        elif f.metadata.get("path") and isinstance(value, str) and value and "://" not in value:
+            expanded = Path(value).expanduser()
+            if expanded.is_absolute():
+                raw[f.name] = str(expanded)
+                continue
+            candidate = base_dir / expanded
+            explicit = value.startswith(("./", "../", ".\\", "..\\"))
+            if f.metadata["path"] == "always" or explicit or candidate.exists():
+                raw[f.name] = os.path.normpath(str(candidate))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"optimizer.lr=3e-4"`` -> ``(["optimizer", "lr"], "3e-4")``; the value is parsed as YAML."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} must look like key.path=value (e.g. train.max_steps=10)")
+    parts = key.split(".")
+    if any(not p for p in parts):
+        raise ConfigError(f"override {text!r}: malformed key path {key!r}")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({exc})") from None
+    return parts, parsed
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    for text in overrides or ():
+        parts, value = parse_override(text)
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                where = ".".join(parts[: i + 1])
+                raise ConfigError(f"override {text!r}: {where} is {_got(child)}, not a mapping")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+# ---------------------------------------------------------------------- entry points
+def recipe_from_dict(raw: dict[str, Any] | None, overrides: list[str] | None = None, *,
+                     base_dir: str | os.PathLike[str] | None = None) -> Recipe:
+    """Validate a plain mapping (paths relative to ``base_dir`` when given) into a :class:`Recipe`."""
+    import copy
+
+    raw = copy.deepcopy(raw) if raw is not None else {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a recipe must be a mapping of sections, got {_got(raw)}")
+    if base_dir is not None:
+        _resolve_paths(raw, Path(base_dir))
+    apply_overrides(raw, overrides)
+    errors = _Errors()
+    recipe = _build(Recipe, raw, "", errors)
+    if not errors:
+        _check(recipe, errors)
+    if errors:
+        raise ConfigError("invalid recipe:\n  " + "\n  ".join(errors) if len(errors) > 1 else errors[0])
+    return recipe
+
+
+def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Recipe:
+    """Read, resolve and validate a YAML recipe; ``overrides`` are ``"a.b=value"`` strings."""
+    import yaml
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"recipe {str(path)!r} does not exist" if not file.exists()
+                          else f"recipe {str(path)!r} is not a file")
+    try:
+        raw = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{file}:{mark.line + 1}" if mark is not None else str(file)
+        raise ConfigError(f"{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: a recipe must be a mapping of sections, got {_got(raw)}")
+    try:
+        return recipe_from_dict(raw, overrides, base_dir=file.resolve().parent)
+    except ConfigError as exc:
+        raise ConfigError(f"{file}: {exc}") from None
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    return dataclasses.asdict(recipe)
+
+
+def validate_plugin_names(recipe: Recipe, plugins: Any = None) -> None:
+    """Check that every plugin the recipe names is installed (reads the registry; imports nothing heavy)."""
+    if plugins is None:
+        from twinkle_core.plugins import get_plugins
+
+        plugins = get_plugins()
+    wanted = [
+        ("task", "task", recipe.task),
+        ("model.class_name", "model", recipe.model.class_name),
+        ("strategy.name", "strategy", recipe.strategy.name),
+        ("precision", "precision", recipe.precision),
+        ("loss.name", "loss", recipe.loss.name),
+        ("optimizer.name", "optimizer", recipe.optimizer.name),
+        ("lr_scheduler.name", "scheduler", recipe.lr_scheduler.name),
+    ]
+    for _, kind, _ in wanted:  # a kind registered twice (DuplicatePluginError) is reported first
+        plugins.records(kind)
+    for key, kind, name in wanted:
+        if name is None:
+            continue
+        try:
+            plugins.get(kind, name)
+        except PluginNotFoundError as exc:
+            exc.args = (f"{key}: {exc}",)
+            raise
