@@ -546,3 +546,15 @@ def test_cross_entropy_uses_pre_shifted_labels_when_the_batch_has_them():
         head = loss({"logits": logits[:, :3]}, {"labels": labels[:, :3], "shift_labels": shifted[:, :3]})
         torch.testing.assert_close(shard.loss + head.loss, plain.loss)
         assert int(shard.num_tokens) + int(head.num_tokens) == int(plain.num_tokens)
+
+
+def test_per_sequence_losses_refuse_a_sequence_parallel_slice():
+    from twinkle_core.loss.dpo import DPOLoss
+    from twinkle_core.loss.grpo import GRPOLoss
+
+    logits = torch.randn(2, 4, 5)
+    sliced = {"shift_labels": torch.zeros(2, 4, dtype=torch.long), "ref_logps": torch.zeros(2),
+              "advantages": torch.ones(2)}
+    for loss in (DPOLoss(), GRPOLoss()):
+        with pytest.raises(ValueError, match="sequence parallelism"):
+            loss({"logits": logits}, sliced)

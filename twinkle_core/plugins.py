@@ -98,13 +98,13 @@ class TwinklePlugins:
     @property
     def plugins(self) -> dict[str, PluginInfo]:
         """Loaded plugins by name (loads them on first access)."""
-        self.pm
+        _ = self.pm
         return self._plugin_info
 
     @property
     def failures(self) -> list[PluginFailure]:
         """Plugins that failed to import and were skipped (loads them on first access)."""
-        self.pm
+        _ = self.pm
         return self._failures
 
     @property

@@ -130,7 +130,7 @@ class Strategy(ABC):
 
     # ------------------------------------------------------------------ checkpoints
     def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The unsharded state dict (complete on the main process)."""
+        """The unsharded state dict, complete on every rank (collective: all ranks call it)."""
         return self.unwrap_module(module).state_dict()
 
     def load_state_dict(self, module: torch.nn.Module, state_dict: dict[str, torch.Tensor],

@@ -1,8 +1,8 @@
 """The core's conformance suite, unchanged, against TransformersModel in one process."""
 
 import pytest
-
 from twinkle_backend_hf.testing import make_tiny_model
+
 from twinkle_core.testing.conformance import ModelContract
 
 

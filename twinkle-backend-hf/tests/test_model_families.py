@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from families import FAMILIES
 from twinkle_backend_hf.model import TransformersModel
+
 from twinkle_core.testing.conformance import make_batch
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
 import torch
-
 from twinkle_backend_hf.multi_lora import MultiLoraTransformersModel
 from twinkle_backend_hf.testing import tiny_qwen2_config
+
 from twinkle_core.errors import ConfigError
 from twinkle_core.testing.conformance import make_batch
 

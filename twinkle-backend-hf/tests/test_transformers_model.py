@@ -10,9 +10,9 @@ import textwrap
 import pytest
 import torch
 import transformers
-
 from twinkle_backend_hf.model import TransformersModel
 from twinkle_backend_hf.testing import make_tiny_model, tiny_qwen2_config
+
 from twinkle_core import checkpoint
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
 from twinkle_core.testing.conformance import LORA_CONFIG, make_batch

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+from twinkle_backend_hf import adapters
 from twinkle_core.envflags import env_flag
 from twinkle_core.errors import ConfigError
 from twinkle_core.model.torch_model import TorchTwinkleModel
-from twinkle_backend_hf import adapters
 
 
 class TransformersModel(TorchTwinkleModel):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from twinkle_core.errors import ConfigError
 from twinkle_backend_hf import adapters
 from twinkle_backend_hf.model import TransformersModel
+from twinkle_core.errors import ConfigError
 
 
 class MultiLoraTransformersModel(TransformersModel):

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from twinkle_core.loss._common import scalar
+from twinkle_core.loss._common import require_whole_sequences, scalar
 from twinkle_core.loss.base import Loss, LossOutput
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 
@@ -95,6 +95,7 @@ class DPOLoss(Loss):
         if batch % 2:
             raise ValueError(f"DPOLoss needs an even batch (chosen half, then rejected half), got {batch}")
         pairs = batch // 2
+        require_whole_sequences(inputs, type(self).__name__)
         logps, mask = token_logprobs(logits, inputs["labels"], self.ignore_index, self.chunk_size)
         seq_logps = logps.sum(-1)
         ref_chosen, ref_rejected = self._reference(inputs, pairs, seq_logps)

@@ -9,7 +9,7 @@ import torch
 
 from twinkle_core.loss._common import require, scalar
 from twinkle_core.loss.base import Loss, LossOutput
-from twinkle_core.loss.logprobs import acc_dtype, shift_labels
+from twinkle_core.loss.logprobs import acc_dtype, next_token_labels
 
 
 def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,7 @@ class GKDLoss(Loss):
         if teacher.shape != logits.shape:
             raise ValueError(f"teacher_logits {tuple(teacher.shape)} must match logits {tuple(logits.shape)}")
         vocab = logits.shape[-1]
-        labels = shift_labels(inputs["labels"].to(logits.device), self.ignore_index).reshape(-1)
+        labels = next_token_labels(inputs, self.ignore_index, logits.device).reshape(-1)
         rows = (labels != self.ignore_index).nonzero(as_tuple=True)[0]
         flat_s, flat_t = logits.reshape(-1, vocab), teacher.reshape(-1, vocab)
         total = logits.new_zeros((), dtype=acc_dtype(logits.dtype))

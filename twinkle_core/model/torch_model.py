@@ -128,7 +128,7 @@ class TorchTwinkleModel(TwinkleModel):
         return self._states[self._resolve_name(adapter_name)]
 
     def trainable_parameters(self, *, adapter_name: str | None = None) -> list[torch.nn.Parameter]:
-        self.wrapped  # parameters are final only once the strategy has wrapped (sharded) the module
+        _ = self.wrapped  # parameters are final only once the strategy has wrapped (sharded) the module
         return self._parameters(self._resolve_name(adapter_name))
 
     def _parameters(self, name: str) -> list[torch.nn.Parameter]:
@@ -157,9 +157,15 @@ class TorchTwinkleModel(TwinkleModel):
         state = self._state(adapter_name)
         inputs = self._to_device(self.strategy.prepare_inputs(dict(inputs)))
         self.wrapped.train()
-        outputs = self._compute(inputs, adapter_name)
+        with self._sync_context(state):  # DDP decides at forward time whether backward all-reduces
+            outputs = self._compute(inputs, adapter_name)
         state.last_inputs, state.last_outputs = inputs, outputs
         return outputs
+
+    def _sync_context(self, state: TrainState) -> contextlib.AbstractContextManager[Any]:
+        """Skip gradient synchronisation on all but the last micro-batch of an accumulation window."""
+        last = (state.backward_calls + 1) % state.gradient_accumulation_steps == 0
+        return contextlib.nullcontext() if last else self.strategy.no_sync(self.wrapped)
 
     def forward_only(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
                      **kwargs: Any) -> dict[str, Any]:
@@ -206,9 +212,7 @@ class TorchTwinkleModel(TwinkleModel):
             first = self.strategy.global_sum(torch.tensor(float(loss.num_tokens), dtype=torch.float64,
                                                           device=self.device))
             state.loss_divisor = max(1.0, float(first) / self.strategy.dp_size)
-        sync = (state.backward_calls + 1) % state.gradient_accumulation_steps == 0
-        context = contextlib.nullcontext() if sync else self.strategy.no_sync(self.wrapped)
-        with context:
+        with self._sync_context(state):
             self.strategy.backward(self.precision.scale_loss(loss.loss / state.loss_divisor), self.wrapped)
         state.backward_calls += 1
         state.pending_tokens += float(loss.num_tokens)

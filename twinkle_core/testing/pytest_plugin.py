@@ -52,8 +52,11 @@ def twinkle_shared_dir(request: Any) -> Any:
     """A directory that is the same on every rank of a torchrun job (``tmp_path`` differs per rank)."""
     import pathlib
 
-    job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT")
-    if not job or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    # torchrun with --master-addr/--master-port sets TORCHELASTIC_RUN_ID=none: add the port to keep
+    # concurrent jobs apart.
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    job = f"{run_id}-{os.environ.get('MASTER_PORT', '')}"
+    if job == "none-" or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return request.getfixturevalue("tmp_path")
     base = os.environ.get("TWINKLE_SHARED_TMP") or os.path.join(tempfile.gettempdir(), f"twinkle-shared-{job}")
     path = pathlib.Path(base) / re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.nodeid)

@@ -129,7 +129,7 @@ class ReferenceModel(TorchTwinkleModel):
             raise ConfigError(f"the reference backend supports only LoRA adapters, got {config.get('type')!r}")
         targets = config.get("target_modules", "all-linear")
         targets = self.lora_targets if targets == "all-linear" else tuple(targets)
-        for name, mod in list(self.module.named_modules()):
+        for mod in list(self.module.modules()):
             for child_name, child in list(mod.named_children()):
                 if child_name in targets and isinstance(child, nn.Linear):
                     setattr(mod, child_name, LoRALinear(child))
