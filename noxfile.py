@@ -1,0 +1,86 @@
+"""Developer sessions: one per distribution, the conformance runs, lint, slow tests and the demo.
+
+Sessions reuse one environment (``.venv``, made by scripts/bootstrap.sh) so torch is installed once;
+run e.g. ``nox -s core``, ``nox -s hf``, ``nox -s conformance-hf``, ``nox -s slow``, ``nox -s demo``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.default_venv_backend = "none"
+nox.options.sessions = ["lint", "core", "hf", "megatron", "embedding", "conformance"]
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
+ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "TWINKLE_NO_PROGRESS": "1"}
+PYTEST = [PYTHON, "-m", "pytest", "--import-mode=importlib", "-p", "no:cacheprovider"]
+
+
+def _bootstrap(session: nox.Session) -> None:
+    session.run("bash", "scripts/bootstrap.sh", external=True)
+
+
+def _pytest(session: nox.Session, *args: str) -> None:
+    _bootstrap(session)
+    session.run(*PYTEST, *args, *session.posargs, env=ENV, external=True, success_codes=[0])
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    _bootstrap(session)
+    session.run(PYTHON, "-m", "ruff", "check", ".", external=True)
+
+
+@nox.session
+def core(session: nox.Session) -> None:
+    """twinkle-core: contracts, plugins, losses, data, loop, CLI, and the suite against the reference backend."""
+    _pytest(session, "tests", "-m", "not slow")
+
+
+@nox.session
+def hf(session: nox.Session) -> None:
+    _pytest(session, "twinkle-backend-hf/tests", "-m", "not slow")
+
+
+@nox.session
+def megatron(session: nox.Session) -> None:
+    _pytest(session, "twinkle-backend-megatron/tests", "-m", "not slow")
+
+
+@nox.session
+def embedding(session: nox.Session) -> None:
+    _pytest(session, "plugins/twinkle-embedding/tests", "-m", "not slow")
+
+
+@nox.session(name="conformance")
+@nox.parametrize("target", ["hf", "megatron"])
+def conformance(session: nox.Session, target: str) -> None:
+    """The core's conformance suite, unchanged, against one registered target (single process)."""
+    _pytest(session, "--pyargs", "twinkle_core.testing.conformance", "--twinkle-backend", target)
+
+
+@nox.session(name="conformance-distributed")
+@nox.parametrize("target", ["hf-ddp", "hf-fsdp", "hf-zero2", "hf-zero3"])
+def conformance_distributed(session: nox.Session, target: str) -> None:
+    _bootstrap(session)
+    session.run(PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                "--master-port", "29511", "-m", "pytest", "-p", "no:cacheprovider", "-q", "--pyargs",
+                "twinkle_core.testing.conformance", "--twinkle-backend", target, env=ENV, external=True)
+
+
+@nox.session
+def slow(session: nox.Session) -> None:
+    """Long-running tests (quickstart accuracy, real-model fine-tuning)."""
+    _pytest(session, "tests", "twinkle-backend-hf/tests", "plugins", "-m", "slow")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The README's main job: the quickstart training run."""
+    _bootstrap(session)
+    session.run(os.path.join(ROOT, ".venv", "bin", "twinkle"), "train", "examples/quickstart/recipe.yaml",
+                external=True, env={"HF_HUB_OFFLINE": "1"})
