@@ -55,15 +55,23 @@ def build_rows(seed: int = 0, train_chats: int = 3000, eval_chats: int = 200) ->
 
 
 def train_tokenizer(rows: list[dict], out_dir: str) -> None:
-    """A character-level tokenizer trained on the data (WordLevel over single characters)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A character-level byte-level BPE (no merges) trained on the data.
+
+    Byte-level, like Qwen2's own tokenizer: transformers 5 loads a tokenizer saved next to a qwen2
+    config.json as ``Qwen2Tokenizer``, which re-applies byte-level pre-tokenisation, so any other
+    scheme would not survive the round trip through a checkpoint.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = Tokenizer(models.WordLevel(unk_token="<|endoftext|>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
     texts = [m["content"] for row in rows for m in row["messages"]] + [string.printable]
-    tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=SPECIAL))
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + len(SPECIAL), special_tokens=SPECIAL,
+                                  initial_alphabet=alphabet, show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
     tokenizer.add_tokens(WORDS)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
                                    pad_token="<|endoftext|>", unk_token="<|endoftext|>",

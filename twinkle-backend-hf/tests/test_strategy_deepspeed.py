@@ -377,6 +377,18 @@ def _scenarios(stage: int, out_dir: str) -> None:
         step(m, 6)
     assert_state_equal(snapshot(clean.get_state_dict()), snapshot(dropped.get_state_dict()), atol=1e-6)
 
+    # --- zero_grad in the middle of an accumulation window drops the micro-steps taken so far
+    mid, fresh = make_tiny_model(seed=0, **options), make_tiny_model(seed=0, **options)
+    for m in (mid, fresh):
+        m.set_optimizer("SGD", lr=0.5, gradient_accumulation_steps=2)
+    mid.forward_backward(inputs=local_rows(mid, make_batch(5)))
+    mid.zero_grad()
+    for m in (mid, fresh):
+        for seed in (1, 2):
+            m.forward_backward(inputs=local_rows(m, make_batch(seed)))
+            m.clip_grad_and_step(max_grad_norm=math.inf)
+    assert_state_equal(snapshot(fresh.get_state_dict()), snapshot(mid.get_state_dict()), atol=1e-6)
+
     # --- two adapters, one engine: resuming one restores only that one
     def tenants() -> Any:
         m = make_tiny_model(seed=0, **options)
@@ -409,6 +421,18 @@ def _scenarios(stage: int, out_dir: str) -> None:
                        snapshot(resumed.get_state_dict(adapter_name="a")), atol=1e-6)
     assert resumed.get_train_configs(adapter_name="a")["step"] == 2
     assert resumed.get_train_configs(adapter_name="b")["step"] == 3
+    # one set of partitioned gradients: interleaving two adapters' backwards is refused, not mixed
+    from twinkle_core.errors import ConfigError
+
+    mixed = tenants()
+    mixed.forward_backward(inputs=local_rows(mixed, make_batch(17)), adapter_name="a")
+    with pytest.raises(ConfigError, match="finish one adapter's optimizer step"):
+        mixed.forward_backward(inputs=local_rows(mixed, make_batch(18)), adapter_name="b")
+    mixed.clip_grad_and_step(adapter_name="b")  # b has no gradients: a no-op that keeps a's
+    assert mixed.get_train_configs(adapter_name="b")["step"] == 1
+    before_b = snapshot(mixed.get_state_dict(adapter_name="b"))
+    step(mixed, 19, "a")  # a's first micro-batch plus this one
+    assert_state_equal(before_b, snapshot(mixed.get_state_dict(adapter_name="b")))
 
     # --- bf16: DeepSpeed's bf16 mode (bf16 weights, fp32 master weights), exported in fp32
     facts["bf16"] = None
@@ -427,6 +451,21 @@ def _scenarios(stage: int, out_dir: str) -> None:
         assert all(v.dtype == torch.float32 for v in state.values()), \
             "the (all trainable) weights are exported from the fp32 master copies"
         facts["bf16"] = losses
+        # resuming a bf16 run: the fresh model's engine is created by the resume, in bf16, and continues
+        straight_half = make_tiny_model(seed=0, precision="bf16", **options)
+        first_half = make_tiny_model(seed=0, precision="bf16", **options)
+        for m in (straight_half, first_half):
+            m.set_optimizer("AdamW", lr=1e-2)
+        expected = [step(straight_half, 20 + i) for i in range(4)]
+        for i in range(2):
+            step(first_half, 20 + i)
+        saved = first_half.save("bf16", output_dir=out_dir)
+        resumed_half = make_tiny_model(seed=5, precision="bf16", **options)
+        resumed_half.set_optimizer("AdamW", lr=1e-2)
+        resumed_half.resume_from_checkpoint(saved)
+        assert resumed_half.get_train_configs()["strategy"]["bf16"] is True
+        again = [step(resumed_half, 22 + i) for i in range(2)]
+        assert again == pytest.approx(expected[2:], rel=1e-6, abs=1e-7), (expected, again)
 
     distributed.barrier()
     if distributed.is_main_process():

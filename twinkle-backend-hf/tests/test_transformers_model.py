@@ -204,3 +204,19 @@ def test_remote_code_loads_from_a_local_directory_only_when_trusted(tmp_path):
     model.set_optimizer("AdamW", lr=1e-2)
     out = model.forward_backward(inputs=make_batch(0))
     assert torch.isfinite(out["loss"])
+
+
+def test_saving_warns_when_the_tokenizer_would_reload_differently(tmp_path, caplog):
+    """A qwen2 checkpoint's tokenizer loads back as Qwen2Tokenizer; a non-byte-level one would change."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    raw.decoder = decoders.Fuse()
+    raw.train_from_iterator(["Twinkle probe: 12 + 30 = 42. indented line and a tab \t\n"],
+                            trainers.WordLevelTrainer(special_tokens=["<unk>"]))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+    model = make_tiny_model(seed=0, tokenizer=tokenizer)
+    with caplog.at_level("WARNING", logger="twinkle.hf"):
+        model.save("ckpt", output_dir=str(tmp_path), save_optimizer=False)
+    assert "tokenises differently" in caplog.text

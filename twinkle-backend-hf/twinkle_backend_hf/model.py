@@ -12,6 +12,7 @@ weights, safetensors) or ``peft.PeftModel.from_pretrained`` (adapters) loads dir
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -125,6 +126,7 @@ class TransformersModel(TorchTwinkleModel):
                                           safe_serialization=True)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(directory)
+            _warn_if_tokenizer_changes_on_reload(self.tokenizer, directory)
 
     def _import(self, directory: str, adapter_name: str | None) -> dict[str, torch.Tensor]:
         if adapter_name is not None:
@@ -143,3 +145,20 @@ class TransformersModel(TorchTwinkleModel):
                 "gradient_checkpointing": self.gradient_checkpointing,
                 "trust_remote_code": self.trust_remote_code}
 
+
+
+_PROBE = "Twinkle probe: 12 + 30 = 42.\n  indented line\tand a tab"
+logger = logging.getLogger("twinkle.hf")
+
+
+def _warn_if_tokenizer_changes_on_reload(tokenizer: Any, directory: str) -> None:
+    """transformers may load a saved tokenizer as the architecture's own class (e.g. ``Qwen2Tokenizer``),
+    which can re-tokenise differently from the tokenizer the model was trained with. Say so at save time."""
+    import transformers
+
+    reloaded = transformers.AutoTokenizer.from_pretrained(directory)
+    if reloaded(_PROBE)["input_ids"] != tokenizer(_PROBE)["input_ids"]:
+        logger.warning("the tokenizer saved in %s loads back as %s and tokenises differently from the "
+                       "training tokenizer (%s); users of this checkpoint will get different token ids. "
+                       "Use a tokenizer whose pre-tokenisation matches the architecture's tokenizer class.",
+                       directory, type(reloaded).__name__, type(tokenizer).__name__)

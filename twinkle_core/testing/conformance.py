@@ -112,7 +112,7 @@ class ModelContract:
         assert math.isfinite(norm) and norm > 0, f"clip_grad_norm returned {norm}"
         params = model.trainable_parameters()
         plain = [p.grad for p in params if p.grad is not None and type(p.grad).__name__ == "Tensor"]
-        if len(plain) == len(params) and model.get_train_configs()["dp_size"] == 1:
+        if len(plain) == len(params) and int(os.environ.get("WORLD_SIZE", "1")) == 1:  # unsharded gradients
             import torch
 
             direct = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in plain])))

@@ -1,0 +1,23 @@
+"""The training run both backends execute in the parity tests (the same code on either)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+STEPS = 10
+
+
+def run(model: Any, *, steps: int = STEPS, adapter_name: str | None = None, lr: float = 1e-2) -> dict[str, Any]:
+    """``steps`` AdamW steps with a cosine schedule and clipping; per-step loss and pre-clip grad norm."""
+    from twinkle_core.testing.conformance import local_rows, make_batch
+
+    kw = {"adapter_name": adapter_name} if adapter_name else {}
+    model.set_optimizer("AdamW", lr=lr, **kw)
+    model.set_lr_scheduler("cosine", num_training_steps=steps, num_warmup_steps=1, **kw)
+    losses, norms = [], []
+    for step in range(steps):
+        model.forward_backward(inputs=local_rows(model, make_batch(100 + step)), **kw)
+        norms.append(model.clip_grad_and_step(max_grad_norm=1.0, **kw))
+        losses.append(model.calculate_metric(**kw)["loss"])
+    logits = model.forward_only(inputs=make_batch(99), **kw)["logits"]
+    return {"losses": losses, "norms": norms, "logits": logits.detach().double().tolist()}
