@@ -32,6 +32,9 @@ class Strategy(ABC):
         self.mesh = mesh
         self.options = options
         self.accelerator: Accelerator | None = None
+        #: the model's precision mode, set by the model before ``setup`` (engines that own the
+        #: optimizer, such as DeepSpeed, configure their own mixed precision from it)
+        self.precision: Any = None
 
     # ------------------------------------------------------------------ process group
     def setup(self, accelerator: Accelerator) -> None:

@@ -59,6 +59,7 @@ class TorchTwinkleModel(TwinkleModel):
             mesh = DeviceMesh(**mesh)
         self.strategy = (plugins.load("strategy", strategy)(mesh=mesh, **(strategy_options or {}))
                          if isinstance(strategy, str) else strategy)
+        self.strategy.precision = self.precision
         self.strategy.setup(self.accelerator)
         self.device = self.accelerator.device()
         self.task = task
@@ -396,7 +397,8 @@ class TorchTwinkleModel(TwinkleModel):
             "metrics": [type(m).__name__ for m in state.metrics],
             "dp_rank": self.strategy.dp_rank,
             "dp_size": self.strategy.dp_size,
-            "trainable_parameters": sum(p.numel() for p in self._parameters(state.name)),
+            # partitioned (ZeRO-3) parameters report their full size as ds_numel
+            "trainable_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in self._parameters(state.name)),
             **state.counters(),
         }
 

@@ -1,0 +1,92 @@
+"""Launch torchrun jobs from tests: a free loopback port, a hard timeout, output kept for assertion messages.
+
+Shared by every distribution's multi-process tests (and usable by third-party backends)::
+
+    from twinkle_core.testing.torchrun import run_torchrun
+    result = run_torchrun(["-m", "pytest", ...], nproc=2, timeout=300)
+    assert result.returncode == 0, result.output
+
+``args`` is what follows torchrun's own options (a script path, or ``-m module ...``). Each job
+gets its own ``TWINKLE_SHARED_TMP`` directory, so concurrent jobs never share checkpoint folders,
+and one thread per rank (the test machines have few cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+#: what torchrun prints when the chosen port was taken between picking and binding it
+_PORT_TAKEN = ("EADDRINUSE", "Address already in use", "address already in use")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class TorchrunResult(subprocess.CompletedProcess):
+    """A ``CompletedProcess`` with ``output`` (stdout then stderr) and the wall time ``seconds``."""
+
+    seconds: float = 0.0
+
+    @property
+    def output(self) -> str:
+        return f"$ {' '.join(map(str, self.args))}\n--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}"
+
+
+def _run_once(command: list[str], env: dict[str, str], cwd: str | None, timeout: float) -> TorchrunResult:
+    start = time.monotonic()
+    # own session: on timeout the whole job (torchrun and its ranks) is killed, nothing is left behind
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        returncode = proc.returncode
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        returncode = -signal.SIGKILL
+        stderr = f"{stderr}\n[run_torchrun] killed after the {timeout:.0f} s timeout"
+    result = TorchrunResult(command, returncode, stdout, stderr)
+    result.seconds = time.monotonic() - start
+    return result
+
+
+def run_torchrun(args: Sequence[str], nproc: int = 2, timeout: float = 300.0, *, env: dict[str, str] | None = None,
+                 cwd: str | None = None, retries: int = 2) -> TorchrunResult:
+    """Run ``torchrun --nproc-per-node nproc ... args`` on 127.0.0.1 and return its result (never raises on failure).
+
+    A job that runs past ``timeout`` seconds is killed (``returncode`` < 0). When the picked port
+    turns out to be taken, the job is retried on another one up to ``retries`` times.
+    """
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONUNBUFFERED": "1", **(env or {})}
+    shared = None
+    if "TWINKLE_SHARED_TMP" not in full_env:
+        shared = tempfile.mkdtemp(prefix="twinkle-torchrun-")
+        full_env["TWINKLE_SHARED_TMP"] = shared
+    try:
+        for attempt in range(retries + 1):
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                       "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                       *map(str, args)]
+            result = _run_once(command, full_env, cwd, timeout)
+            taken = result.returncode != 0 and any(s in result.stderr + result.stdout for s in _PORT_TAKEN)
+            if not taken or attempt == retries:
+                return result
+        return result
+    finally:
+        if shared is not None:
+            import shutil
+
+            shutil.rmtree(shared, ignore_errors=True)
