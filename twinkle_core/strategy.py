@@ -110,6 +110,8 @@ class Strategy(ABC):
     def scale_gradients(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                         parameters: list[torch.nn.Parameter], factor: float) -> None:
         """Multiply the accumulated gradients by ``factor`` (once per optimizer step)."""
+        if factor == 1.0:
+            return
         for p in parameters:
             if p.grad is not None:
                 p.grad.mul_(factor)

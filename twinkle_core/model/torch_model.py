@@ -69,6 +69,7 @@ class TorchTwinkleModel(TwinkleModel):
         module = self._build_module()
         self.module = self.precision.prepare_module(module).to(self.device)
         self._wrapped: torch.nn.Module | None = None
+        self._parameter_cache: dict[str, list[torch.nn.Parameter]] = {}
         self._states: dict[str, TrainState] = {FULL_MODEL: self._new_state(FULL_MODEL)}
         self._adapters: dict[str, Any] = {}
 
@@ -133,16 +134,24 @@ class TorchTwinkleModel(TwinkleModel):
         return self._parameters(self._resolve_name(adapter_name))
 
     def _parameters(self, name: str) -> list[torch.nn.Parameter]:
-        if name == FULL_MODEL:
-            return [p for p in self.module.parameters() if p.requires_grad]
-        wanted = set(self._adapter_parameter_names(name))
-        return [p for n, p in self.module.named_parameters() if n in wanted]
+        # cached: walking every parameter name costs milliseconds per call on PEFT models, three calls a
+        # step; the cache is dropped whenever the parameter set can change (adapters, wrapping, optimizers)
+        cached = self._parameter_cache.get(name)
+        if cached is None:
+            if name == FULL_MODEL:
+                cached = [p for p in self.module.parameters() if p.requires_grad]
+            else:
+                wanted = set(self._adapter_parameter_names(name))
+                cached = [p for n, p in self.module.named_parameters() if n in wanted]
+            self._parameter_cache[name] = cached
+        return cached
 
     @property
     def wrapped(self) -> torch.nn.Module:
         """The module as the strategy runs it (wrapped on first use, so adapters can be added first)."""
         if self._wrapped is None:
             self._wrapped = self.strategy.wrap_module(self.module)
+            self._parameter_cache.clear()
         return self._wrapped
 
     def _to_device(self, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -157,7 +166,8 @@ class TorchTwinkleModel(TwinkleModel):
     def forward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
         state = self._state(adapter_name)
         inputs = self._to_device(self.strategy.prepare_inputs(dict(inputs)))
-        self.wrapped.train()
+        if not self.wrapped.training:
+            self.wrapped.train()
         with self._sync_context(state):  # DDP decides at forward time whether backward all-reduces
             outputs = self._compute(inputs, adapter_name)
         state.last_inputs, state.last_outputs = inputs, outputs
@@ -319,6 +329,7 @@ class TorchTwinkleModel(TwinkleModel):
         wrapped, built = self.strategy.prepare_optimizer(
             module, built, gradient_accumulation_steps=gradient_accumulation_steps)
         self._wrapped = wrapped
+        self._parameter_cache.clear()
         state.optimizer = built
         state.gradient_accumulation_steps = gradient_accumulation_steps
         state.optimizer_spec = {"name": optimizer if isinstance(optimizer, str) else type(built).__name__,
@@ -337,6 +348,7 @@ class TorchTwinkleModel(TwinkleModel):
         if self._wrapped is not None and self._wrapped is not self.module:
             raise ConfigError("add adapters before the first forward or set_optimizer: the strategy has already "
                               "wrapped the model")
+        self._parameter_cache.clear()
         self._add_adapter(adapter_name, config, **kwargs)
         self._adapters[adapter_name] = config
         self._states[adapter_name] = self._new_state(adapter_name)
@@ -344,6 +356,7 @@ class TorchTwinkleModel(TwinkleModel):
     def remove_adapter(self, adapter_name: str) -> None:
         self._resolve_name(adapter_name)
         self._remove_adapter(adapter_name)
+        self._parameter_cache.clear()
         del self._adapters[adapter_name]
         del self._states[adapter_name]
 
