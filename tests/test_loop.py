@@ -312,7 +312,7 @@ def test_jsonl_logging(tmp_path):
 def test_checkpoint_cadence_and_pruning(tmp_path):
     summary = run(make_recipe(tmp_path, train={"max_steps": 7, "save_every": 2, "save_total_limit": 2}))
     out = tmp_path / "out"
-    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoint-4", "checkpoint-6", "final"]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir() and p.name != "tensorboard") == ["checkpoint-4", "checkpoint-6", "final"]
     assert [c[1] for c in model().calls if c[0] == "save"] == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "final"]
     state = json.loads((out / "checkpoint-6" / "state.json").read_text())
     extra = state["extra_state"]
@@ -355,7 +355,7 @@ def test_resume_continues_the_losses_exactly(tmp_path):
         "train": {"save_every": 5}, "model": {"options": {"fail_at": {"step": 8}}}}))
     with pytest.raises(Stop):
         run(crashing)
-    names = sorted(p.name for p in (tmp_path / "b").iterdir() if p.is_dir())
+    names = sorted(p.name for p in (tmp_path / "b").iterdir() if p.is_dir() and p.name != "tensorboard")
     assert names == ["checkpoint-5", "checkpoint-7-interrupted"]
 
     summary = run(make_recipe(tmp_path, out="b", **merge(common, {"train": {"save_every": 5}})), resume="latest")
@@ -401,7 +401,7 @@ def test_no_interrupted_checkpoint_without_progress(tmp_path):
                          train={"max_steps": 5, "save_every": 2})
     with pytest.raises(Stop):
         run(recipe)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir()) == ["checkpoint-2"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.is_dir() and p.name != "tensorboard") == ["checkpoint-2"]
 
 
 def test_evaluation_before_during_and_after(tmp_path):
