@@ -8,21 +8,17 @@ only when a test needs it.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from distributed import run_torchrun
+from parity_helpers import assert_same_run, run_python
 
 HERE = Path(__file__).resolve().parent
 PARITY = HERE / "scripts" / "parity.py"
 #: per-step losses / grad norms of one process vs several ranks, fp32
-PARITY_ATOL = 1e-5
 
 
 # ---------------------------------------------------------------------- conformance
@@ -53,7 +49,7 @@ class ParityRuns:
         if key not in self.results:
             out = self.root / f"{key}.json"
             if nproc == 1:
-                result = _run_python([str(PARITY), str(out), *args], timeout=300)
+                result = run_python([str(PARITY), str(out), *args], timeout=300)
             else:
                 result = run_torchrun([str(PARITY), str(out), *args], nproc=nproc, timeout=300)
             assert result.returncode == 0, result.output
@@ -74,34 +70,9 @@ class ParityRuns:
         return self.get("accelerate", "--spec", json.dumps({"strategy": "accelerate"}))
 
 
-def _run_python(args: list[str], timeout: float) -> Any:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1"}
-    for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    start = time.monotonic()
-    try:
-        result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as exc:
-        result = subprocess.CompletedProcess(exc.cmd, -9, exc.stdout or "", f"{exc.stderr or ''}\ntimed out")
-    result.output = f"$ {' '.join(args)}\n{result.stdout}\n{result.stderr}"
-    result.seconds = time.monotonic() - start
-    return result
-
-
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory) -> ParityRuns:
     return ParityRuns(tmp_path_factory.mktemp("parity"))
-
-
-def _assert_same_run(reference: dict[str, Any], other: dict[str, Any], what: str) -> float:
-    assert len(other["losses"]) == len(reference["losses"]) == 10
-    deltas = [abs(a - b) for a, b in zip(reference["losses"], other["losses"], strict=True)]
-    norm_deltas = [abs(a - b) for a, b in zip(reference["grad_norms"], other["grad_norms"], strict=True)]
-    detail = f"{what}\nreference {reference['losses']}\n{other['strategy']:>9} {other['losses']}"
-    assert max(deltas) <= PARITY_ATOL, f"losses differ by up to {max(deltas):.3g}\n{detail}"
-    assert max(norm_deltas) <= PARITY_ATOL, (f"grad norms differ by up to {max(norm_deltas):.3g}\n"
-                                             f"{reference['grad_norms']}\n{other['grad_norms']}")
-    return max(deltas)
 
 
 @pytest.mark.distributed
@@ -115,7 +86,7 @@ def test_loss_parity_with_one_process(parity, strategy):
     assert max(reference["grad_norms"]) > 1.0, "no step was clipped: the parity run would not cover clipping"
     run = parity.ddp() if strategy == "ddp" else parity.fsdp()
     assert run["world_size"] == 2 and run["dp_size"] == 2, run
-    delta = _assert_same_run(reference, run, strategy)
+    delta = assert_same_run(reference, run, strategy)
     print(f"{strategy}: max |loss - single| = {delta:.3g}")
 
 
@@ -163,7 +134,7 @@ def test_accelerate_on_cpu_delegates_to_native_fsdp_and_shards(parity):
     assert run["local_numel"] < run["global_numel"]
     log = parity.logs["accelerate"]
     assert "Twinkle delegates to 'native_fsdp'" in log and "on CPU" in log, log[-3000:]
-    _assert_same_run(parity.single(), run, "accelerate (delegated)")
+    assert_same_run(parity.single(), run, "accelerate (delegated)")
 
 
 # ---------------------------------------------------------------------- in-process checks (no process group)

@@ -14,21 +14,18 @@ import copy
 import importlib.util
 import json
 import math
-import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from parity_helpers import assert_same_run, run_python
 
 HERE = Path(__file__).resolve().parent
 PARITY = HERE / "scripts" / "parity.py"
 #: per-step losses / grad norms of one process vs 2 ranks, fp32
-PARITY_ATOL = 1e-5
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is not installed: "
                                      "pip install 'twinkle-backend-hf[deepspeed]' (deepspeed, ninja)")
@@ -175,7 +172,7 @@ class ParityRuns:
 
             out = self.root / f"{key}.json"
             if nproc == 1:
-                result = _run_python([str(PARITY), str(out), *args], timeout=300)
+                result = run_python([str(PARITY), str(out), *args], timeout=300)
             else:
                 result = run_torchrun([str(PARITY), str(out), *args], nproc=nproc, timeout=300, env=_job_env())
             assert result.returncode == 0, result.output
@@ -191,34 +188,9 @@ class ParityRuns:
         return self.get(key, "--strategy", "deepspeed", "--strategy-options", json.dumps(options))
 
 
-def _run_python(args: list[str], timeout: float) -> Any:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1"}
-    for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    start = time.monotonic()
-    try:
-        result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as exc:
-        result = subprocess.CompletedProcess(exc.cmd, -9, exc.stdout or "", f"{exc.stderr or ''}\ntimed out")
-    result.output = f"$ {' '.join(args)}\n{result.stdout}\n{result.stderr}"
-    result.seconds = time.monotonic() - start
-    return result
-
-
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory) -> ParityRuns:
     return ParityRuns(tmp_path_factory.mktemp("deepspeed-parity"))
-
-
-def _assert_same_run(reference: dict[str, Any], other: dict[str, Any], what: str) -> float:
-    assert len(other["losses"]) == len(reference["losses"]) == 10
-    deltas = [abs(a - b) for a, b in zip(reference["losses"], other["losses"], strict=True)]
-    norm_deltas = [abs(a - b) for a, b in zip(reference["grad_norms"], other["grad_norms"], strict=True)]
-    detail = f"{what}\nreference {reference['losses']}\n{what:>9} {other['losses']}"
-    assert max(deltas) <= PARITY_ATOL, f"losses differ by up to {max(deltas):.3g}\n{detail}"
-    assert max(norm_deltas) <= PARITY_ATOL, (f"grad norms differ by up to {max(norm_deltas):.3g}\n"
-                                             f"{reference['grad_norms']}\n{other['grad_norms']}")
-    return max(deltas)
 
 
 @pytest.mark.distributed
@@ -235,7 +207,7 @@ def test_loss_parity_with_one_process(parity, stage):
     run = parity.deepspeed(**_strategy_options(stage))
     assert run["world_size"] == 2 and run["dp_size"] == 2, run
     assert run["strategy_class"].endswith(":DeepSpeedStrategy") and run["wrapped_class"] == "DeepSpeedModule"
-    delta = _assert_same_run(reference, run, f"zero{stage}")
+    delta = assert_same_run(reference, run, f"zero{stage}")
     print(f"zero{stage}: max |loss - single| = {delta:.3g} ({run['seconds']:.0f} s)")
 
 
@@ -248,7 +220,7 @@ def test_loss_parity_with_one_process(parity, stage):
                                       "config": PARTITION_ALL}],
                          ids=["zero1", "zero2-offload", "zero3-offload"])
 def test_loss_parity_of_other_configurations(parity, options):
-    delta = _assert_same_run(parity.single(), parity.deepspeed(**options), json.dumps(options))
+    delta = assert_same_run(parity.single(), parity.deepspeed(**options), json.dumps(options))
     print(f"{options}: max |loss - single| = {delta:.3g}")
 
 
