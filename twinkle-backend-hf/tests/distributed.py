@@ -1,5 +1,11 @@
 """Kept for the tests' short import; the helper lives in the core."""
 
-from twinkle_core.testing.torchrun import TorchrunResult, free_port, run_torchrun
+from twinkle_core.testing.torchrun import (
+    PASSED_ONLY,
+    TorchrunResult,
+    free_port,
+    pytest_summaries,
+    run_torchrun,
+)
 
-__all__ = ["TorchrunResult", "free_port", "run_torchrun"]
+__all__ = ["PASSED_ONLY", "TorchrunResult", "free_port", "pytest_summaries", "run_torchrun"]

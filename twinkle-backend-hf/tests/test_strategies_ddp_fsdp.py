@@ -8,12 +8,11 @@ only when a test needs it.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from distributed import run_torchrun
+from distributed import PASSED_ONLY, pytest_summaries, run_torchrun
 from parity_helpers import assert_same_run, run_python
 
 HERE = Path(__file__).resolve().parent
@@ -28,12 +27,12 @@ PARITY = HERE / "scripts" / "parity.py"
 def test_conformance_suite_on_two_ranks(target, tmp_path):
     """The core's suite, unchanged, with every rank running every test (resume, adapters, clipping ...)."""
     result = run_torchrun(["-m", "pytest", "--pyargs", "twinkle_core.testing.conformance", "--twinkle-backend", target,
-                           "-p", "no:cacheprovider", "-q"], nproc=2, timeout=600, cwd=str(tmp_path))
+                           "-p", "no:cacheprovider", "-q"], nproc=2, timeout=600, cwd=str(tmp_path), per_rank_output=True)
     assert result.returncode == 0, result.output
-    summaries = re.findall(r"^=*\s*\d+ passed.*$", result.stdout, flags=re.MULTILINE)
-    assert len(summaries) == 2, f"expected a pytest summary from each rank\n{result.output}"
-    assert not any("failed" in line or "error" in line for line in summaries), result.output
-    print(f"{target}: {summaries[0]!r} on each rank, in {result.seconds:.0f} s")
+    summaries = pytest_summaries(result)
+    assert all(PASSED_ONLY.fullmatch(line) for line in summaries), \
+        f"expected every test to pass on each rank, got {summaries}\n{result.output}"
+    print(f"{target}: {summaries[0]} on each rank, in {result.seconds:.0f} s")
 
 
 # ---------------------------------------------------------------------- parity runs

@@ -14,7 +14,6 @@ import copy
 import importlib.util
 import json
 import math
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -147,16 +146,16 @@ def test_optimizer_group_steps_only_the_active_member():
 @pytest.mark.parametrize("target", ["hf-zero2", "hf-zero3"])
 def test_conformance_suite_on_two_ranks(target, tmp_path):
     """The core's suite, unchanged, every rank running every test (resume, adapters, clipping ...)."""
-    from distributed import run_torchrun
+    from distributed import PASSED_ONLY, pytest_summaries, run_torchrun
 
     result = run_torchrun(["-m", "pytest", "--pyargs", "twinkle_core.testing.conformance", "--twinkle-backend",
                            target, "-p", "no:cacheprovider", "-q"], nproc=2, timeout=660, cwd=str(tmp_path),
-                          env=_job_env())
+                          env=_job_env(), per_rank_output=True)
     assert result.returncode == 0, result.output
-    summaries = re.findall(r"^=*\s*\d+ passed.*$", result.stdout, flags=re.MULTILINE)
-    assert len(summaries) == 2, f"expected a pytest summary from each rank\n{result.output}"
-    assert not any(word in line for line in summaries for word in ("failed", "error", "skipped")), result.output
-    print(f"{target}: {summaries[0].strip('= ')} on each rank in {result.seconds:.0f} s")
+    summaries = pytest_summaries(result)
+    assert all(PASSED_ONLY.fullmatch(line) for line in summaries), \
+        f"expected every test to pass on each rank, got {summaries}\n{result.output}"
+    print(f"{target}: {summaries[0]} on each rank in {result.seconds:.0f} s")
 
 
 class ParityRuns:

@@ -21,6 +21,7 @@ from twinkle_backend_hf.model import TransformersModel
 from twinkle_backend_megatron.testing import tiny_llama_config, tiny_qwen2_config
 
 from twinkle_core.testing.conformance import LORA_CONFIG, make_batch
+from twinkle_core.testing.torchrun import PASSED_ONLY, pytest_summaries
 
 pytestmark = pytest.mark.distributed
 
@@ -76,9 +77,12 @@ def _assert_parity(got: dict, want: dict, *, norm_rel: float = 1e-4, logits_atol
 # ---------------------------------------------------------------------- the core's conformance suite
 def _conformance(target: str, *extra: str):
     job = torchrun(["-m", "pytest", "--pyargs", "twinkle_core.testing.conformance", "--twinkle-backend", target,
-                    "-p", "no:cacheprovider", "-q", "-W", "ignore", *extra], nproc=2, timeout=300)
+                    "-p", "no:cacheprovider", "-q", "-W", "ignore", *extra], nproc=2, timeout=300,
+                   per_rank_output=True)
     assert job.returncode == 0, job.output
-    assert " passed" in job.stdout
+    summaries = pytest_summaries(job)
+    assert all(PASSED_ONLY.fullmatch(line) for line in summaries), \
+        f"expected every test to pass on each rank, got {summaries}\n{job.output}"
 
 
 def test_conformance_suite_data_parallel():

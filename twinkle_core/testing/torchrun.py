@@ -6,7 +6,9 @@ Shared by every distribution's multi-process tests (and usable by third-party ba
     result = run_torchrun(["-m", "pytest", ...], nproc=2, timeout=300)
     assert result.returncode == 0, result.output
 
-``args`` is what follows torchrun's own options (a script path, or ``-m module ...``). Each job
+``args`` is what follows torchrun's own options (a script path, or ``-m module ...``). With
+``per_rank_output=True`` each rank's stdout is captured on its own (torchrun ``--redirects``) into
+``result.rank_stdout``, so assertions never have to untangle the ranks' interleaved lines. Each job
 gets its own ``TWINKLE_SHARED_TMP`` directory, so concurrent jobs never share checkpoint folders,
 and one thread per rank (the test machines have few cores).
 """
@@ -14,7 +16,9 @@ and one thread per rank (the test machines have few cores).
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -37,10 +41,39 @@ class TorchrunResult(subprocess.CompletedProcess):
     """A ``CompletedProcess`` with ``output`` (stdout then stderr) and the wall time ``seconds``."""
 
     seconds: float = 0.0
+    #: each local rank's own stdout, in rank order (only with ``per_rank_output=True``)
+    rank_stdout: list[str] = []
 
     @property
     def output(self) -> str:
-        return f"$ {' '.join(map(str, self.args))}\n--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}"
+        ranks = "".join(f"\n--- stdout of rank {r} ---\n{text}" for r, text in enumerate(self.rank_stdout))
+        return (f"$ {' '.join(map(str, self.args))}\n--- stdout ---\n{self.stdout}{ranks}\n"
+                f"--- stderr ---\n{self.stderr}")
+
+
+def _read_rank_stdout(log_dir: str, nproc: int) -> list[str]:
+    """The ``stdout.log`` torchrun wrote for each local rank under ``log_dir/<run>/attempt_*/<rank>/``."""
+    outputs = []
+    for rank in range(nproc):
+        paths = sorted(glob.glob(os.path.join(log_dir, "*", "attempt_*", str(rank), "stdout.log")))
+        outputs.append("".join(open(path, encoding="utf-8", errors="replace").read() for path in paths))
+    return outputs
+
+
+#: a pytest summary line in which every collected test passed (warnings allowed; no failed / error / skipped)
+PASSED_ONLY = re.compile(r"\d+ passed(, \d+ warnings?)? in [\d.]+s( \(\S+\))?")
+
+
+def pytest_summaries(result: TorchrunResult) -> list[str]:
+    """The final pytest summary line (``19 passed in 3.2s``) of every rank of a ``per_rank_output`` job.
+
+    A rank that printed none (it crashed or hung) gives ``""``, so ``len()`` is always the rank count.
+    """
+    summaries = []
+    for text in result.rank_stdout:
+        lines = re.findall(r"^=*\s*(\d+ (?:passed|failed|error|skipped).*?)\s*=*$", text, flags=re.MULTILINE)
+        summaries.append(lines[-1] if lines else "")
+    return summaries
 
 
 def _run_once(command: list[str], env: dict[str, str], cwd: str | None, timeout: float) -> TorchrunResult:
@@ -63,7 +96,7 @@ def _run_once(command: list[str], env: dict[str, str], cwd: str | None, timeout:
 
 
 def run_torchrun(args: Sequence[str], nproc: int = 2, timeout: float = 300.0, *, env: dict[str, str] | None = None,
-                 cwd: str | None = None, retries: int = 2) -> TorchrunResult:
+                 cwd: str | None = None, retries: int = 2, per_rank_output: bool = False) -> TorchrunResult:
     """Run ``torchrun --nproc-per-node nproc ... args`` on 127.0.0.1 and return its result (never raises on failure).
 
     A job that runs past ``timeout`` seconds is killed (``returncode`` < 0). When the picked port
@@ -71,22 +104,27 @@ def run_torchrun(args: Sequence[str], nproc: int = 2, timeout: float = 300.0, *,
     """
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONUNBUFFERED": "1", **(env or {})}
-    shared = None
+    cleanup: list[str] = []
     if "TWINKLE_SHARED_TMP" not in full_env:
-        shared = tempfile.mkdtemp(prefix="twinkle-torchrun-")
-        full_env["TWINKLE_SHARED_TMP"] = shared
+        full_env["TWINKLE_SHARED_TMP"] = tempfile.mkdtemp(prefix="twinkle-torchrun-")
+        cleanup.append(full_env["TWINKLE_SHARED_TMP"])
     try:
         for attempt in range(retries + 1):
+            log_dir = tempfile.mkdtemp(prefix="twinkle-rank-logs-")
+            cleanup.append(log_dir)
+            logging_args = ["--log-dir", log_dir, "--redirects", "1"] if per_rank_output else []
             command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                        "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                       *map(str, args)]
+                       *logging_args, *map(str, args)]
             result = _run_once(command, full_env, cwd, timeout)
+            if per_rank_output:
+                result.rank_stdout = _read_rank_stdout(log_dir, nproc)
             taken = result.returncode != 0 and any(s in result.stderr + result.stdout for s in _PORT_TAKEN)
             if not taken or attempt == retries:
                 return result
         return result
     finally:
-        if shared is not None:
-            import shutil
+        import shutil
 
-            shutil.rmtree(shared, ignore_errors=True)
+        for path in cleanup:
+            shutil.rmtree(path, ignore_errors=True)
