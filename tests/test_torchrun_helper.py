@@ -33,6 +33,7 @@ def test_each_rank_output_is_kept_apart(tmp_path):
 def test_passed_only_accepts_clean_summaries_and_nothing_else():
     assert PASSED_ONLY.fullmatch("19 passed, 161 warnings in 21.76s")
     assert PASSED_ONLY.fullmatch("19 passed in 301.20s (0:05:01)")
+    assert PASSED_ONLY.fullmatch("4 passed, 15 deselected in 10.87s")
     for bad in ("1 failed, 18 passed in 2.0s", "18 passed, 1 skipped in 2.0s", "18 passed, 1 error in 2s", "",
                 ".19 passed, 161 warnings in 21.74s"):
         assert not PASSED_ONLY.fullmatch(bad), bad

@@ -60,8 +60,8 @@ def _read_rank_stdout(log_dir: str, nproc: int) -> list[str]:
     return outputs
 
 
-#: a pytest summary line in which every collected test passed (warnings allowed; no failed / error / skipped)
-PASSED_ONLY = re.compile(r"\d+ passed(, \d+ warnings?)? in [\d.]+s( \(\S+\))?")
+#: a pytest summary line in which every collected test passed (deselected and warnings allowed; no failed / error / skipped)
+PASSED_ONLY = re.compile(r"\d+ passed(, \d+ deselected)?(, \d+ warnings?)? in [\d.]+s( \(\S+\))?")
 
 
 def pytest_summaries(result: TorchrunResult) -> list[str]:
