@@ -333,19 +333,41 @@ class MegatronStrategy(Strategy):
     def _layout(self) -> dict[str, int]:
         return {**self.mesh.to_dict(), "world_size": distributed.world_size()}
 
+    def _base_model_optimizer(self, module: torch.nn.Module, optimizer: Any) -> bool:
+        """Whether ``optimizer`` trains base-model weights only (they carry megatron-core's sharding metadata)."""
+        base = {id(p) for name, p in self.unwrap_module(module).named_parameters() if ".lora." not in name}
+        return all(id(p) in base for group in optimizer.param_groups for p in group["params"])
+
     def save_optimizer_state(self, directory: str, module: torch.nn.Module, optimizer: Any) -> None:
-        """Every rank writes the state of its own shard (``optimizer-rank{r}.pt``)."""
-        torch.save({"layout": self._layout(), "state": optimizer.state_dict()},
-                   os.path.join(directory, f"optimizer-rank{distributed.rank():05d}.pt"))
+        """Base-model optimizers go through ``dist_checkpointing`` (resumable at another TP / PP / VPP / DP layout,
+        see :mod:`twinkle_backend_megatron.checkpointing`); adapters' optimizers and the distributed optimizer
+        write one file per rank (resumable at the same layout)."""
+        from twinkle_backend_megatron import checkpointing
+
+        if id(optimizer) not in self._distributed and self._base_model_optimizer(module, optimizer):
+            checkpointing.save_optimizer(directory, self.unwrap_module(module), optimizer)
+        else:
+            torch.save({"layout": self._layout(), "state": optimizer.state_dict()},
+                       os.path.join(directory, f"optimizer-rank{distributed.rank():05d}.pt"))
 
     def load_optimizer_state(self, directory: str, module: torch.nn.Module, optimizer: Any) -> None:
+        from twinkle_backend_megatron import checkpointing
+
+        if os.path.isdir(os.path.join(directory, checkpointing.DIST_DIR)):
+            if id(optimizer) in self._distributed:
+                raise ConfigError(f"{directory} holds a regular optimizer's state (dist_checkpointing) but this run "
+                                  f"uses distributed_optimizer=True; resume with distributed_optimizer off")
+            checkpointing.load_optimizer(directory, self.unwrap_module(module), optimizer)
+            return
         path = os.path.join(directory, f"optimizer-rank{distributed.rank():05d}.pt")
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} is missing: the checkpoint was written with a different number of ranks")
         saved = torch.load(path, weights_only=False)
         if saved["layout"] != self._layout():
             raise ConfigError(f"the optimizer state in {directory} was saved with the parallel layout "
-                              f"{saved['layout']}, but this job runs {self._layout()}; resume with the same mesh")
+                              f"{saved['layout']}, but this job runs {self._layout()}; LoRA adapters and the distributed "
+                              f"optimizer resume with the same mesh (full fine-tuning checkpoints without "
+                              f"distributed_optimizer reshard)")
         optimizer.load_state_dict(saved["state"])
 
 
