@@ -66,12 +66,11 @@ def _logical_name(sharded: Any) -> str:
         from megatron.core.dist_checkpointing.dict_utils import nested_values
 
         sharded = next(iter(nested_values(sharded.build())))
-        return _logical_name(sharded)
     stacked = tuple(sharded.global_offset[: sharded.prepend_axis_num])
     return f"{sharded.key}@{','.join(map(str, stacked))}"
 
 
-def is_param_shaped(value: Any, param: torch.Tensor) -> bool:
+def _is_param_shaped(value: Any, param: torch.Tensor) -> bool:
     return torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) == tuple(param.shape)
 
 
@@ -97,17 +96,18 @@ def save_optimizer(directory: str, module: torch.nn.Module, optimizer: torch.opt
     for index, values in state.items():
         param, sharded = params[index], sharded_params[index]
         for name, value in values.items():
-            if is_param_shaped(value, param):
+            if _is_param_shaped(value, param):
                 names.add(name)
                 tensors.setdefault(str(index), {})[name] = make_sharded_optimizer_tensor(
                     sharded, value.detach(), prefix=f"optimizer.state.{name}")
             else:
                 scalars.setdefault(_logical_name(sharded), {})[name] = value.cpu() if torch.is_tensor(value) else value
+    gathered = _all_gather((sorted(names), scalars))  # one collective for both
     common = {
         "format": _FORMAT,
         "optimizer_class": type(optimizer).__name__,
-        "state_names": sorted({name for part in _all_gather(sorted(names)) for name in part}),
-        "scalars": {key: value for part in _all_gather(scalars) for key, value in part.items()},
+        "state_names": sorted({name for part_names, _ in gathered for name in part_names}),
+        "scalars": {key: value for _, part_scalars in gathered for key, value in part_scalars.items()},
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
     }
     path = os.path.join(directory, DIST_DIR)

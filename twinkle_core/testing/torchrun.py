@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 #: what torchrun prints when the chosen port was taken between picking and binding it
 _PORT_TAKEN = ("EADDRINUSE", "Address already in use", "address already in use")
@@ -56,7 +57,7 @@ def _read_rank_stdout(log_dir: str, nproc: int) -> list[str]:
     outputs = []
     for rank in range(nproc):
         paths = sorted(glob.glob(os.path.join(log_dir, "*", "attempt_*", str(rank), "stdout.log")))
-        outputs.append("".join(open(path, encoding="utf-8", errors="replace").read() for path in paths))
+        outputs.append("".join(Path(path).read_text(encoding="utf-8", errors="replace") for path in paths))
     return outputs
 
 
@@ -110,9 +111,11 @@ def run_torchrun(args: Sequence[str], nproc: int = 2, timeout: float = 300.0, *,
         cleanup.append(full_env["TWINKLE_SHARED_TMP"])
     try:
         for attempt in range(retries + 1):
-            log_dir = tempfile.mkdtemp(prefix="twinkle-rank-logs-")
-            cleanup.append(log_dir)
-            logging_args = ["--log-dir", log_dir, "--redirects", "1"] if per_rank_output else []
+            logging_args: list[str] = []
+            if per_rank_output:
+                log_dir = tempfile.mkdtemp(prefix="twinkle-rank-logs-")
+                cleanup.append(log_dir)
+                logging_args = ["--log-dir", log_dir, "--redirects", "1"]
             command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                        "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                        *logging_args, *map(str, args)]
