@@ -81,7 +81,6 @@ class FP16Precision(Precision):
     def __init__(self, init_scale: float = 2.0**16, growth_interval: int = 2000) -> None:
         self.init_scale, self.growth_interval = init_scale, growth_interval
         self._scaler: Any = None
-        self._unscaled: set[int] = set()
 
     def scaler(self, device_type: str = "cpu") -> Any:
         if self._scaler is None:
@@ -99,16 +98,14 @@ class FP16Precision(Precision):
         return self.scaler(loss.device.type).scale(loss)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        if id(optimizer) not in self._unscaled:
-            self.scaler().unscale_(optimizer)
-            self._unscaled.add(id(optimizer))
+        # once per gradient window: the model normalises (and so unscales) a window's gradients only once
+        self.scaler().unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         scaler = self.scaler()
         scale_before = scaler.get_scale()
         scaler.step(optimizer)
         scaler.update()
-        self._unscaled.discard(id(optimizer))
         return scaler.get_scale() >= scale_before
 
     def state_dict(self) -> dict[str, Any]:

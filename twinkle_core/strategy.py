@@ -3,6 +3,15 @@ how weights and optimizer state are gathered for checkpoints.
 
 The core ships ``single`` (one process). Backends register ``ddp``, ``native_fsdp``,
 ``deepspeed``, ``megatron`` ...
+
+Two things reach a strategy, each by one road:
+
+* the model's :class:`~twinkle_core.precision.Precision`, as ``precision=`` at construction
+  (``self.precision``; engines that own mixed precision, such as DeepSpeed, configure it from there);
+* each optimizer, through :meth:`Strategy.prepare_optimizer`, which returns an
+  :class:`OptimizerHandle`. Every gradient hook receives that handle; whatever the strategy tracks per
+  optimizer (an engine, a distributed optimizer, an accumulation flag) lives on its own handle subclass,
+  never in a table keyed by ``id(optimizer)``.
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 from abc import ABC
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from twinkle_core import distributed
@@ -19,6 +29,26 @@ if TYPE_CHECKING:
     import torch
 
     from twinkle_core.accelerator import Accelerator
+    from twinkle_core.loss.base import LossContext
+    from twinkle_core.precision import Precision
+
+
+@dataclass(eq=False)
+class OptimizerHandle:
+    """One optimizer as a strategy drives it: made by ``prepare_optimizer``, passed to every gradient hook.
+
+    ``optimizer`` is what the model exposes (its ``param_groups`` carry the learning rate);
+    ``parameters`` are the weights it updates. Strategies subclass the handle to keep per-optimizer state::
+
+        @dataclass(eq=False)
+        class EngineHandle(OptimizerHandle):
+            engine: Any = None
+            reduced: bool = False
+    """
+
+    optimizer: Any
+    parameters: list[Any] = field(default_factory=list)
+    gradient_accumulation_steps: int = 1
 
 
 class Strategy(ABC):
@@ -27,14 +57,29 @@ class Strategy(ABC):
     name: ClassVar[str] = ""
     #: True when the wrapped module averages gradients over data-parallel ranks (DDP, FSDP).
     averages_gradients: ClassVar[bool] = False
+    #: mesh dimensions this strategy implements; a mesh with any other dimension > 1 is refused
+    #: before anything is built (see :mod:`twinkle_core.capabilities`)
+    mesh_dimensions: ClassVar[tuple[str, ...]] = ()
+    #: model classes (by class name, subclasses included) this strategy can drive; ``None``: any
+    supported_models: ClassVar[tuple[str, ...] | None] = None
 
-    def __init__(self, mesh: DeviceMesh | None = None, **options: Any) -> None:
+    def __init__(self, mesh: DeviceMesh | None = None, *, precision: Precision | None = None,
+                 **options: Any) -> None:
         self.mesh = mesh
         self.options = options
         self.accelerator: Accelerator | None = None
-        #: the model's precision mode, set by the model before ``setup`` (engines that own the
-        #: optimizer, such as DeepSpeed, configure their own mixed precision from it)
-        self.precision: Any = None
+        #: the model's precision mode (``None`` only until a model binds a strategy built without one)
+        self.precision = precision
+
+    def bind_precision(self, precision: Precision) -> None:
+        """Give a strategy built without ``precision=`` the model's; a different one is a configuration error."""
+        if self.precision is None:
+            self.precision = precision
+        elif self.precision is not precision and self.precision.name != precision.name:
+            from twinkle_core.errors import ConfigError
+
+            raise ConfigError(f"strategy {self.name!r} was built with precision {self.precision.name!r}, but the "
+                              f"model uses {precision.name!r}; pass the same precision to both, or only to the model")
 
     # ------------------------------------------------------------------ process group
     def setup(self, accelerator: Accelerator) -> None:
@@ -60,6 +105,12 @@ class Strategy(ABC):
         """Process group over which data-parallel ranks are reduced (``None`` = world)."""
         return None
 
+    def loss_context(self) -> LossContext:
+        """The parallel groups a loss may need (sequence-parallel strategies add theirs)."""
+        from twinkle_core.loss.base import LossContext
+
+        return LossContext(dp_group=self.dp_group, dp_size=self.dp_size, dp_rank=self.dp_rank)
+
     @property
     def is_main_process(self) -> bool:
         return distributed.is_main_process()
@@ -83,12 +134,14 @@ class Strategy(ABC):
         return contextlib.nullcontext()
 
     def prepare_optimizer(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                          gradient_accumulation_steps: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """Called once the optimizer exists (built from the *wrapped* module's parameters).
+                          parameters: list[torch.nn.Parameter],
+                          gradient_accumulation_steps: int = 1) -> tuple[torch.nn.Module, OptimizerHandle]:
+        """Called once the optimizer exists (built from the *wrapped* module's ``parameters``).
 
-        Engines that own the optimizer (DeepSpeed) return their engine and wrapped optimizer here.
+        Returns the module to run from now on and the handle every gradient hook will receive. Engines that
+        own the optimizer (DeepSpeed) return their engine here and keep it on their handle.
         """
-        return module, optimizer
+        return module, OptimizerHandle(optimizer, list(parameters), gradient_accumulation_steps)
 
     # ------------------------------------------------------------------ gradients
     def global_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -104,33 +157,31 @@ class Strategy(ABC):
         """Factor that turns the wrapped module's gradients into d(sum loss / global tokens)."""
         return self.gradient_average_size / max(global_tokens, 1.0)
 
-    def backward(self, loss: torch.Tensor, module: torch.nn.Module) -> None:
+    def backward(self, loss: torch.Tensor, module: torch.nn.Module, handle: OptimizerHandle | None) -> None:
+        """Back-propagate ``loss`` into the gradients of ``handle``'s parameters (``None``: no optimizer yet)."""
         loss.backward()
 
-    def scale_gradients(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        parameters: list[torch.nn.Parameter], factor: float) -> None:
+    def scale_gradients(self, module: torch.nn.Module, handle: OptimizerHandle, factor: float) -> None:
         """Multiply the accumulated gradients by ``factor`` (once per optimizer step)."""
         if factor == 1.0:
             return
-        for p in parameters:
+        for p in handle.parameters:
             if p.grad is not None:
                 p.grad.mul_(factor)
 
-    def clip_grad_norm(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                       parameters: list[torch.nn.Parameter], max_norm: float,
+    def clip_grad_norm(self, module: torch.nn.Module, handle: OptimizerHandle, max_norm: float,
                        norm_type: float = 2.0) -> torch.Tensor:
         """Clip in place and return the total norm before clipping (``max_norm=inf`` only measures)."""
         import torch
 
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return torch.nn.utils.clip_grad_norm_(handle.parameters, max_norm, norm_type=norm_type)
 
-    def optimizer_step(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Any) -> bool:
+    def optimizer_step(self, module: torch.nn.Module, handle: OptimizerHandle) -> bool:
         """Apply the optimizer through the precision's scaler; False when the step was skipped."""
-        return precision.step(optimizer)
+        return self.precision.step(handle.optimizer)
 
-    def zero_grad(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                  parameters: list[torch.nn.Parameter]) -> None:
-        for p in parameters:
+    def zero_grad(self, module: torch.nn.Module, handle: OptimizerHandle) -> None:
+        for p in handle.parameters:
             p.grad = None
 
     # ------------------------------------------------------------------ checkpoints
@@ -145,18 +196,18 @@ class Strategy(ABC):
         if strict and (missing or unexpected):
             raise KeyError(f"state dict does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
-    def save_optimizer_state(self, directory: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def save_optimizer_state(self, directory: str, module: torch.nn.Module, handle: OptimizerHandle) -> None:
         """Write the optimizer state into ``directory`` (called on every rank; default: rank 0 writes one file)."""
         import torch
 
-        state = optimizer.state_dict()
+        state = handle.optimizer.state_dict()
         if self.is_main_process:
             torch.save(state, os.path.join(directory, "optimizer.pt"))
 
-    def load_optimizer_state(self, directory: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def load_optimizer_state(self, directory: str, module: torch.nn.Module, handle: OptimizerHandle) -> None:
         import torch
 
-        optimizer.load_state_dict(torch.load(os.path.join(directory, "optimizer.pt"), weights_only=False))
+        handle.optimizer.load_state_dict(torch.load(os.path.join(directory, "optimizer.pt"), weights_only=False))
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "mesh": self.mesh.to_dict() if self.mesh else None, **self.options}

@@ -1,4 +1,25 @@
-"""The task contract: how dataset rows become model inputs, which loss applies, how to evaluate."""
+"""The task contract: how dataset rows become model inputs, what the network's outputs become, which
+loss applies, what a saved model directory holds besides the weights, how to evaluate.
+
+A task reaches the model only through the seams declared here; the model calls them, so a task
+never patches a backend's methods. A minimal task that adds a head and a file::
+
+    class ScoreTask(Task):
+        name = "score"
+        default_loss = "mse"
+
+        def load_dataset(self, path, tokenizer, **data_options): ...
+        def collate(self, features): ...
+
+        def process_outputs(self, outputs, inputs):
+            # every forward of the model (training and evaluation) goes through here
+            return {**outputs, "scores": outputs["logits"][:, -1, 0]}
+
+        def on_export(self, model, directory, adapter_name):
+            # called on the main process inside the checkpoint being written
+            with open(os.path.join(directory, "score_task.json"), "w") as f:
+                f.write('{"head": "last_token"}')
+"""
 
 from __future__ import annotations
 
@@ -7,6 +28,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from twinkle_core.model.base import TwinkleModel
+
+#: the loss a model uses when neither the recipe nor the task names one
+FALLBACK_LOSS = "cross_entropy"
 
 
 class Task(ABC):
@@ -33,4 +57,19 @@ class Task(ABC):
         return {}
 
     def prepare_model(self, model: TwinkleModel) -> None:
-        """Hook to adapt the backend's model for the task (pooling heads ...)."""
+        """Adapt the model for the task once it is built (read its config, choose a head ...)."""
+
+    def process_outputs(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+        """Turn the network's outputs into what the task's loss and evaluation read (pooling, heads).
+
+        Called by the model on every forward, inside its precision context, before the loss.
+        """
+        return outputs
+
+    def on_export(self, model: TwinkleModel, directory: str, adapter_name: str | None) -> None:
+        """Add the task's files to a model directory the model has just written (main process only)."""
+
+
+def default_loss_name(task: Task | None) -> str:
+    """The loss a model applies when none was set: the task's ``default_loss``, else cross entropy."""
+    return getattr(task, "default_loss", "") or FALLBACK_LOSS

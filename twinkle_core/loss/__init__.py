@@ -21,6 +21,6 @@ log-probabilities of the labels, with the shared shift convention and bounded me
 :func:`twinkle_core.loss.logprobs.token_logprobs`.
 """
 
-from twinkle_core.loss.base import CallableLoss, Loss, LossOutput
+from twinkle_core.loss.base import CallableLoss, Loss, LossContext, LossOutput
 
-__all__ = ["CallableLoss", "Loss", "LossOutput"]
+__all__ = ["CallableLoss", "Loss", "LossContext", "LossOutput"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -28,32 +29,69 @@ class LossOutput:
         return self.loss / max(float(self.num_tokens), 1.0)
 
 
-class Loss(ABC):
-    """A loss: ``loss(outputs, inputs) -> LossOutput``.
+@dataclass(frozen=True)
+class LossContext:
+    """The parallel layout a loss may need, handed to every loss call as ``context=``.
 
-    ``outputs`` is the model's output mapping (``logits`` at least); ``inputs`` is the batch
-    (``labels`` and whatever the loss needs, e.g. ``ref_logps`` for DPO, ``advantages`` for GRPO).
-    Subclasses take their hyper-parameters as keyword arguments of ``__init__``.
+    The strategy builds it (:meth:`twinkle_core.strategy.Strategy.loss_context`). A loss that compares
+    samples across the global batch (InfoNCE's in-batch negatives) gathers over ``dp_group``; one that
+    scores a sequence sliced over ranks (Ulysses) reduces over ``sp_group``. ``None`` groups mean "the
+    whole world" for data parallelism and "not sliced" for sequence parallelism.
+    """
+
+    dp_group: Any = None
+    dp_size: int = 1
+    dp_rank: int = 0
+    sp_group: Any = None
+    sp_size: int = 1
+
+
+class Loss(ABC):
+    """A loss: ``loss(outputs, inputs, context=None) -> LossOutput``.
+
+    ``outputs`` is the model's output mapping (``logits`` at least, or what the task's
+    ``process_outputs`` made of it); ``inputs`` is the batch (``labels`` and whatever the loss needs,
+    e.g. ``ref_logps`` for DPO, ``advantages`` for GRPO); ``context`` is the :class:`LossContext` of the
+    running strategy. Subclasses take their hyper-parameters as keyword arguments of ``__init__``::
+
+        class SumOfLogits(Loss):
+            name = "sum_of_logits"
+
+            def __call__(self, outputs, inputs, context=None):
+                return LossOutput(loss=outputs["logits"].sum(), num_tokens=outputs["logits"].numel())
     """
 
     name: ClassVar[str] = ""
 
     @abstractmethod
-    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> LossOutput: ...
+    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
+                 context: LossContext | None = None) -> LossOutput: ...
+
+
+def accepts_context(fn: Any) -> bool:
+    """Whether ``fn`` can be called with ``context=`` (losses written before the context existed cannot)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature: call them the old way
+        return False
+    return any(p.name == "context" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 class CallableLoss(Loss):
-    """Adapts a plain function ``fn(outputs, inputs) -> LossOutput | Tensor`` to :class:`Loss`.
+    """Adapts a plain function ``fn(outputs, inputs[, context=]) -> LossOutput | Tensor`` to :class:`Loss`.
 
-    A bare tensor is taken as an already-averaged loss (``num_tokens=1``).
+    A bare tensor is taken as an already-averaged loss (``num_tokens=1``). ``context`` is passed only to a
+    function that accepts it.
     """
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
-        self.name = getattr(fn, "__name__", "callable")
+        self.name = getattr(fn, "name", None) or getattr(fn, "__name__", "callable")
+        self._pass_context = accepts_context(fn)
 
-    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> LossOutput:
-        result = self.fn(outputs, inputs)
+    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
+                 context: LossContext | None = None) -> LossOutput:
+        result = self.fn(outputs, inputs, context=context) if self._pass_context else self.fn(outputs, inputs)
         if isinstance(result, LossOutput):
             return result
         return LossOutput(loss=result, num_tokens=1)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from twinkle_core.loss._common import check_reduction
-from twinkle_core.loss.base import Loss, LossOutput
+from twinkle_core.loss.base import Loss, LossContext, LossOutput
 from twinkle_core.loss.logprobs import (
     DEFAULT_CHUNK_SIZE,
     acc_dtype,
@@ -45,7 +45,8 @@ class CrossEntropyLoss(Loss):
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
         self.label_smoothing = label_smoothing
 
-    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> LossOutput:
+    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
+                 context: LossContext | None = None) -> LossOutput:
         logits = outputs["logits"]
         labels = next_token_labels(inputs, self.ignore_index, logits.device).reshape(-1)
         total = F.cross_entropy(
@@ -88,7 +89,8 @@ class ChunkedCrossEntropyLoss(CrossEntropyLoss):
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.chunk_size = chunk_size
 
-    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> LossOutput:
+    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
+                 context: LossContext | None = None) -> LossOutput:
         logits = outputs.get("logits")
         if logits is not None:
             labels = next_token_labels(inputs, self.ignore_index, logits.device)

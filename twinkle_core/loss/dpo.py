@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from twinkle_core.loss._common import require_whole_sequences, scalar
-from twinkle_core.loss.base import Loss, LossOutput
+from twinkle_core.loss.base import Loss, LossContext, LossOutput
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
@@ -89,7 +89,8 @@ class DPOLoss(Loss):
             "inputs['ref_rejected_logps'] ([B/2]); or construct it with reference_free=True"
         )
 
-    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> LossOutput:
+    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
+                 context: LossContext | None = None) -> LossOutput:
         logits = outputs["logits"]
         batch = logits.shape[0]
         if batch % 2:

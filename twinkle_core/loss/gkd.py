@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from twinkle_core.loss._common import require, scalar
-from twinkle_core.loss.base import Loss, LossOutput
+from twinkle_core.loss.base import Loss, LossContext, LossOutput
 from twinkle_core.loss.logprobs import acc_dtype, next_token_labels
 
 
@@ -65,7 +65,8 @@ class GKDLoss(Loss):
         )
         return self.beta * _kl(log_t, log_m) + (1.0 - self.beta) * _kl(log_s, log_m)
 
-    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> LossOutput:
+    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
+                 context: LossContext | None = None) -> LossOutput:
         logits = outputs["logits"]
         teacher = require(inputs, "teacher_logits", "GKDLoss", "inputs").to(logits.device).detach()
         if teacher.shape != logits.shape:

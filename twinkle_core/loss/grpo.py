@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 import torch
 
 from twinkle_core.loss._common import align_to_shifted, require, require_whole_sequences, scalar
-from twinkle_core.loss.base import Loss, LossOutput
+from twinkle_core.loss.base import Loss, LossContext, LossOutput
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 
 
@@ -75,7 +75,8 @@ class _ClippedPolicyLoss(Loss):
     def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
         raise NotImplementedError
 
-    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> LossOutput:
+    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
+                 context: LossContext | None = None) -> LossOutput:
         logits = outputs["logits"]
         require_whole_sequences(inputs, type(self).__name__)
         logps, mask = token_logprobs(logits, inputs["labels"], self.ignore_index, self.chunk_size)

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 
 from twinkle_core.loss._common import check_reduction, require
-from twinkle_core.loss.base import Loss, LossOutput
+from twinkle_core.loss.base import Loss, LossContext, LossOutput
 from twinkle_core.loss.logprobs import acc_dtype
 
 
@@ -31,7 +31,8 @@ class MSELoss(Loss):
         self.target_key = target_key
         self.mask_key = mask_key
 
-    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> LossOutput:
+    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
+                 context: LossContext | None = None) -> LossOutput:
         pred = require(outputs, self.key, "MSELoss", "outputs")
         target = torch.as_tensor(require(inputs, self.target_key, "MSELoss", "inputs")).to(pred.device)
         if pred.shape != target.shape and pred.shape[-1] == 1 and pred.shape[:-1] == target.shape:

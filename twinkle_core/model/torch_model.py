@@ -26,8 +26,9 @@ import torch
 
 from twinkle_core import checkpoint
 from twinkle_core.accelerator import current_accelerator
+from twinkle_core.capabilities import check_compatible
 from twinkle_core.errors import ConfigError
-from twinkle_core.loss.base import CallableLoss, Loss, LossOutput
+from twinkle_core.loss.base import CallableLoss, Loss, LossOutput, accepts_context
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.metrics import LossMetric, Metric
 from twinkle_core.model.base import TwinkleModel
@@ -35,7 +36,8 @@ from twinkle_core.model.train_state import TrainState
 from twinkle_core.optim import build_optimizer, build_scheduler
 from twinkle_core.plugins import get_plugins
 from twinkle_core.precision import Precision
-from twinkle_core.strategy import Strategy
+from twinkle_core.strategy import OptimizerHandle, Strategy
+from twinkle_core.task import default_loss_name
 
 FULL_MODEL = ""  # the TrainState key of full fine-tuning (no adapter)
 
@@ -52,15 +54,21 @@ class TorchTwinkleModel(TwinkleModel):
         if unused:
             raise ConfigError(f"{type(self).__name__} got unknown option(s) {sorted(unused)}")
         plugins = get_plugins()
+        if isinstance(mesh, dict):
+            mesh = DeviceMesh(**mesh)
+        strategy_cls = plugins.load("strategy", strategy) if isinstance(strategy, str) else type(strategy)
+        check_compatible(type(self), strategy_cls, mesh if mesh is not None else getattr(strategy, "mesh", None),
+                         strategy_name=strategy if isinstance(strategy, str) else strategy.name)
         self.accelerator = current_accelerator()
         self.precision = plugins.load("precision", precision)() if isinstance(precision, str) else precision
         self.precision.check_supported(self.accelerator)
-        if isinstance(mesh, dict):
-            mesh = DeviceMesh(**mesh)
-        self.strategy = (plugins.load("strategy", strategy)(mesh=mesh, **(strategy_options or {}))
-                         if isinstance(strategy, str) else strategy)
-        self.strategy.precision = self.precision
+        if isinstance(strategy, str):
+            strategy = strategy_cls(mesh=mesh, precision=self.precision, **(strategy_options or {}))
+        else:
+            strategy.bind_precision(self.precision)
+        self.strategy = strategy
         self.strategy.setup(self.accelerator)
+        self.loss_context = self.strategy.loss_context()
         self.device = self.accelerator.device()
         self.task = task
         self.tokenizer = tokenizer
@@ -160,7 +168,8 @@ class TorchTwinkleModel(TwinkleModel):
     def _compute(self, inputs: dict[str, Any], adapter_name: str | None) -> dict[str, Any]:
         name = self._resolve_name(adapter_name)
         with self._adapter_context(name or None), self.precision.autocast(self.device.type):
-            return self._run_module(self.wrapped, inputs)
+            outputs = self._run_module(self.wrapped, inputs)
+            return self.task.process_outputs(outputs, inputs) if self.task is not None else outputs
 
     # ================================================================== compute
     def forward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
@@ -198,16 +207,15 @@ class TorchTwinkleModel(TwinkleModel):
         outputs = state.last_outputs if outputs is None else outputs
         if inputs is None or outputs is None:
             raise ConfigError("calculate_loss needs outputs: call forward(inputs=...) first or pass outputs=")
-        if state.loss is None:
-            default = getattr(self.task, "default_loss", "") or "cross_entropy"
-            self.set_loss(default, adapter_name=adapter_name)
-        result = state.loss(outputs, inputs)
-        if not isinstance(result, LossOutput):
-            raise TypeError(f"loss {state.loss!r} returned {type(result).__name__}; expected LossOutput")
-        for metric in state.metrics:
-            metric.update(inputs, outputs, result)
+        self._ensure_loss(state)
+        result = state.apply_loss(outputs, inputs, self.loss_context)
         state.last_loss = result
         return result
+
+    def _ensure_loss(self, state: TrainState) -> None:
+        """Set the task's default loss when none was set (the one place that rule lives)."""
+        if state.loss is None:
+            self.set_loss(default_loss_name(self.task), adapter_name=state.name or None)
 
     def backward(self, *, loss: Any = None, adapter_name: str | None = None, **kwargs: Any) -> None:
         state = self._state(adapter_name)
@@ -216,19 +224,11 @@ class TorchTwinkleModel(TwinkleModel):
             raise ConfigError("backward needs a loss: call calculate_loss first or pass loss=")
         if not isinstance(loss, LossOutput):
             loss = LossOutput(loss=loss, num_tokens=1)
-        if state.backward_calls == 0:
-            # One divisor for the whole accumulation window, the same on every rank, keeps gradients at
-            # mean-loss magnitude (fp16 loss scaling and bf16 rounding need that); it is undone exactly
-            # when the gradients are normalised by the global token count.
-            first = self.strategy.global_sum(torch.tensor(float(loss.num_tokens), dtype=torch.float64,
-                                                          device=self.device))
-            state.loss_divisor = max(1.0, float(first) / self.strategy.dp_size)
+        state.open_window(float(loss.num_tokens), self.strategy, self.device)
         with self._sync_context(state):
-            self.strategy.backward(self.precision.scale_loss(loss.loss / state.loss_divisor), self.wrapped)
-        state.backward_calls += 1
-        state.pending_tokens += float(loss.num_tokens)
-        state.gradients_normalised = False
-        state.last_inputs = state.last_outputs = None  # free the graph's inputs early
+            self.strategy.backward(self.precision.scale_loss(state.scale_for_backward(loss.loss)), self.wrapped,
+                                   state.handle)
+        state.record_backward(loss.num_tokens)
 
     def forward_backward(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
                          **kwargs: Any) -> dict[str, Any]:
@@ -238,20 +238,20 @@ class TorchTwinkleModel(TwinkleModel):
         return {**outputs, "loss": loss.mean.detach(), "num_tokens": loss.num_tokens, **loss.metrics}
 
     # ================================================================== optimisation
-    def _require_optimizer(self, state: TrainState, action: str) -> Any:
-        if state.optimizer is None:
+    def _require_optimizer(self, state: TrainState, action: str) -> OptimizerHandle:
+        if state.handle is None:
             who = f"adapter_name={state.name!r}" if state.name else "the model"
             raise ConfigError(f"{action} needs an optimizer for {who}: call set_optimizer('AdamW', lr=...) first")
-        return state.optimizer
+        return state.handle
 
     def _normalise_gradients(self, state: TrainState) -> None:
         if state.gradients_normalised:
             return
-        optimizer = self._require_optimizer(state, "step")
+        handle = self._require_optimizer(state, "step")
         tokens = self.strategy.global_sum(torch.tensor(state.pending_tokens, dtype=torch.float64,
                                                        device=self.device))
-        self.precision.unscale_(optimizer)
-        self.strategy.scale_gradients(self.wrapped, optimizer, self._parameters(state.name),
+        self.precision.unscale_(handle.optimizer)
+        self.strategy.scale_gradients(self.wrapped, handle,
                                       self.strategy.gradient_scale(float(tokens)) * state.loss_divisor)
         state.gradients_normalised = True
 
@@ -260,25 +260,28 @@ class TorchTwinkleModel(TwinkleModel):
         state = self._state(adapter_name)
         self._normalise_gradients(state)
         limit = math.inf if max_grad_norm is None else float(max_grad_norm)
-        norm = self.strategy.clip_grad_norm(self.wrapped, state.optimizer, self._parameters(state.name),
-                                            limit, norm_type)
+        norm = self.strategy.clip_grad_norm(self.wrapped, state.handle, limit, norm_type)
         state.last_grad_norm = float(norm)
         return state.last_grad_norm
 
     def step(self, *, adapter_name: str | None = None) -> None:
         state = self._state(adapter_name)
-        optimizer = self._require_optimizer(state, "step")
+        handle = self._require_optimizer(state, "step")
         self._normalise_gradients(state)
         if state.last_grad_norm is not None and not math.isfinite(state.last_grad_norm):
             # A NaN/inf gradient would poison the weights: skip the update, keep training.
             state.skipped_steps += 1
-        elif not self.strategy.optimizer_step(self.wrapped, optimizer, self.precision):
+        elif not self.strategy.optimizer_step(self.wrapped, handle):
             state.skipped_steps += 1
         state.step += 1
 
     def zero_grad(self, *, adapter_name: str | None = None) -> None:
         state = self._state(adapter_name)
-        self.strategy.zero_grad(self.wrapped, state.optimizer, self._parameters(state.name))
+        if state.handle is not None:
+            self.strategy.zero_grad(self.wrapped, state.handle)
+        else:  # gradients back-propagated before any optimizer existed
+            for p in self._parameters(state.name):
+                p.grad = None
         state.reset_accumulation()
 
     def lr_step(self, *, adapter_name: str | None = None) -> None:
@@ -312,11 +315,11 @@ class TorchTwinkleModel(TwinkleModel):
         elif kwargs:
             raise ConfigError(f"set_loss got options {sorted(kwargs)} with an instance or callable; "
                               f"pass a loss name or class to configure it")
-        if not isinstance(loss, Loss):
+        if not isinstance(loss, Loss) or not accepts_context(loss):
             if not callable(loss):
                 raise ConfigError(f"cannot use {loss!r} as a loss: pass a registered name, a Loss class, "
                                   f"an instance or a callable")
-            loss = CallableLoss(loss)
+            loss = CallableLoss(loss)  # also adapts losses written before ``context=`` existed
         state.loss = loss
 
     def set_optimizer(self, optimizer: Any, *, adapter_name: str | None = None,
@@ -325,20 +328,21 @@ class TorchTwinkleModel(TwinkleModel):
         if gradient_accumulation_steps < 1:
             raise ConfigError("gradient_accumulation_steps must be >= 1")
         module = self.wrapped
-        built = build_optimizer(optimizer, self._parameters(state.name), **kwargs)
-        wrapped, built = self.strategy.prepare_optimizer(
-            module, built, gradient_accumulation_steps=gradient_accumulation_steps)
+        parameters = self._parameters(state.name)
+        built = build_optimizer(optimizer, parameters, **kwargs)
+        wrapped, handle = self.strategy.prepare_optimizer(
+            module, built, parameters=parameters, gradient_accumulation_steps=gradient_accumulation_steps)
         self._wrapped = wrapped
         self._parameter_cache.clear()
-        state.optimizer = built
+        state.handle = handle
         state.gradient_accumulation_steps = gradient_accumulation_steps
-        state.optimizer_spec = {"name": optimizer if isinstance(optimizer, str) else type(built).__name__,
+        state.optimizer_spec = {"name": optimizer if isinstance(optimizer, str) else type(handle.optimizer).__name__,
                                 **{k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, bool))}}
 
     def set_lr_scheduler(self, scheduler: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
         state = self._state(adapter_name)
-        optimizer = self._require_optimizer(state, "set_lr_scheduler")
-        state.scheduler = build_scheduler(scheduler, optimizer, **kwargs)
+        handle = self._require_optimizer(state, "set_lr_scheduler")
+        state.scheduler = build_scheduler(scheduler, handle.optimizer, **kwargs)
         state.scheduler_spec = {"name": scheduler if isinstance(scheduler, str) else type(state.scheduler).__name__,
                                 **{k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, bool))}}
 
@@ -405,6 +409,7 @@ class TorchTwinkleModel(TwinkleModel):
             "accelerator": self.accelerator.name,
             "optimizer": state.optimizer_spec or None,
             "lr_scheduler": state.scheduler_spec or None,
+            "lr": float(state.optimizer.param_groups[0]["lr"]) if state.optimizer is not None else None,
             "loss": state.loss_spec or None,
             "gradient_accumulation_steps": state.gradient_accumulation_steps,
             "metrics": [type(m).__name__ for m in state.metrics],
@@ -434,6 +439,8 @@ class TorchTwinkleModel(TwinkleModel):
                                          metadata={"adapter_name": state.name or None, "step": state.step}) as tmp:
             if is_main:
                 self._export(tmp, weights, state.name or None)
+                if self.task is not None:
+                    self.task.on_export(self, tmp, state.name or None)
             if save_optimizer and state.optimizer is not None:
                 self._save_training_state(tmp, state, extra_state)
         return final
@@ -446,7 +453,7 @@ class TorchTwinkleModel(TwinkleModel):
         if self.strategy.is_main_process:
             os.makedirs(state_dir, exist_ok=True)
         self.strategy.barrier()
-        self.strategy.save_optimizer_state(state_dir, self.wrapped, state.optimizer)
+        self.strategy.save_optimizer_state(state_dir, self.wrapped, state.handle)
         torch.save(checkpoint.capture_rng_state(), os.path.join(state_dir, f"rng-rank{rank}.pt"))
         if self.strategy.is_main_process:
             torch.save({
@@ -468,11 +475,11 @@ class TorchTwinkleModel(TwinkleModel):
         if not checkpoint.is_complete(path):
             raise FileNotFoundError(f"{path} is not a complete Twinkle checkpoint (no {checkpoint.MARKER})")
         state = self._state(adapter_name)
-        optimizer = self._require_optimizer(state, "resume_from_checkpoint")
+        handle = self._require_optimizer(state, "resume_from_checkpoint")
         self.load(path, adapter_name=adapter_name)
         state_dir = os.path.join(path, checkpoint.STATE_DIR)
         trainer = torch.load(os.path.join(state_dir, "trainer_state.pt"), weights_only=False)
-        self.strategy.load_optimizer_state(state_dir, self.wrapped, optimizer)
+        self.strategy.load_optimizer_state(state_dir, self.wrapped, handle)
         if trainer["scheduler"] is not None and state.scheduler is not None:
             state.scheduler.load_state_dict(trainer["scheduler"])
         self.precision.load_state_dict(trainer["precision"])

@@ -1,9 +1,26 @@
-"""Per-adapter training state: everything one tenant owns besides its weights."""
+"""Per-adapter training state: everything one tenant owns besides its weights, and the gradient
+window's bookkeeping as one API that every backend's forward/backward path calls.
+
+The window runs from one optimizer step to the next. Losses are sums; each is divided by one
+constant per window (:meth:`TrainState.open_window`, the first micro-batch's global token count per
+rank, so gradients keep mean-loss magnitude), back-propagated, and counted
+(:meth:`TrainState.record_backward`). Before clipping, the model multiplies the gradients once by that
+constant over the window's global token count. A backend whose schedule runs forward and backward
+itself (Megatron's pipeline) calls the same three methods::
+
+    state.open_window(local_tokens, strategy)           # once, before the window's first backward
+    result = state.apply_loss(outputs, inputs, context)  # loss + type check + metrics
+    backward(precision.scale_loss(state.scale_for_backward(result.loss)))
+    state.record_backward(result.num_tokens)
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from twinkle_core.errors import ConfigError
+from twinkle_core.loss.base import LossContext, LossOutput
 
 
 @dataclass
@@ -12,7 +29,8 @@ class TrainState:
 
     name: str
     loss: Any = None
-    optimizer: Any = None
+    #: the strategy's :class:`~twinkle_core.strategy.OptimizerHandle` for this adapter's optimizer
+    handle: Any = None
     scheduler: Any = None
     optimizer_spec: dict[str, Any] = field(default_factory=dict)
     scheduler_spec: dict[str, Any] = field(default_factory=dict)
@@ -34,6 +52,55 @@ class TrainState:
     last_inputs: Any = None
     last_outputs: Any = None
     last_loss: Any = None
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer the user configured (``None`` before ``set_optimizer``)."""
+        return self.handle.optimizer if self.handle is not None else None
+
+    @optimizer.setter
+    def optimizer(self, value: Any) -> None:
+        if value is not None:
+            raise AttributeError("an optimizer reaches a TrainState only through the strategy's handle "
+                                 "(TorchTwinkleModel.set_optimizer); assign None to drop it")
+        self.handle = None
+
+    # ------------------------------------------------------------------ the gradient window
+    def open_window(self, local_tokens: float, strategy: Any, device: Any = None) -> None:
+        """Fix the window's loss divisor on its first backward (collective over the data-parallel ranks).
+
+        One divisor for the whole window, the same on every rank, keeps gradients at mean-loss magnitude
+        (fp16 loss scaling and bf16 rounding need that); normalisation undoes it exactly.
+        """
+        if self.backward_calls:
+            return
+        import torch
+
+        first = strategy.global_sum(torch.tensor(float(local_tokens), dtype=torch.float64, device=device))
+        self.loss_divisor = max(1.0, float(first) / strategy.dp_size)
+
+    def scale_for_backward(self, loss: Any) -> Any:
+        """The window-constant share of a sum loss that is back-propagated."""
+        return loss / self.loss_divisor
+
+    def apply_loss(self, outputs: dict[str, Any], inputs: dict[str, Any],
+                   context: LossContext | None = None) -> LossOutput:
+        """Run the adapter's loss, check what it returned and feed the metrics."""
+        if self.loss is None:
+            raise ConfigError("no loss is set: call set_loss(...) first")
+        result = self.loss(outputs, inputs, context=context)
+        if not isinstance(result, LossOutput):
+            raise TypeError(f"loss {self.loss!r} returned {type(result).__name__}; expected LossOutput")
+        for metric in self.metrics:
+            metric.update(inputs, outputs, result)
+        return result
+
+    def record_backward(self, tokens: Any) -> None:
+        """Count one back-propagated micro-batch of ``tokens`` units (local to this rank)."""
+        self.backward_calls += 1
+        self.pending_tokens += float(tokens)
+        self.gradients_normalised = False
+        self.last_inputs = self.last_outputs = None  # free the graph's inputs early
 
     def reset_accumulation(self) -> None:
         self.backward_calls = 0
