@@ -1,8 +1,11 @@
 """Every Twinkle extension point, as pluggy hook specifications.
 
 Registration hooks (``twinkle_register_*``) return an iterable of typed records that point at
-implementations lazily; every plugin's records are collected. Selection hooks
-(``twinkle_select_*``) use ``firstresult=True``: the first plugin that answers wins.
+implementations lazily; every plugin's records are collected. Each one belongs to a plugin kind
+declared in :mod:`twinkle_core.records` (the record class names its ``register_hook``); a new kind
+needs its record class there and its specification here, and ``tests/test_plugin_kinds.py`` fails
+until both exist. Selection hooks (``twinkle_select_*``) use ``firstresult=True``: the first plugin
+that answers wins.
 
 A plugin is a module (or object) with functions marked ``@twinkle_core.hookimpl``, exposed
 through the ``twinkle`` entry-point group::

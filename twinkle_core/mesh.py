@@ -8,7 +8,11 @@ from dataclasses import asdict, dataclass
 
 from twinkle_core.errors import ConfigError
 
-DIMENSIONS = ("dp", "fsdp", "tp", "pp", "cp", "sp", "ep")
+#: dimensions whose sizes multiply to the world size (the one list of them: everything else derives from it)
+RANK_DIMENSIONS = ("dp", "fsdp", "tp", "pp", "cp", "sp")
+#: every parallel dimension; ``ep`` is carved out of the data-parallel ranks, ``vpp`` splits pipeline stages
+DIMENSIONS = (*RANK_DIMENSIONS, "ep")
+ALL_DIMENSIONS = (*DIMENSIONS, "vpp")
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class DeviceMesh:
 
     @property
     def world_size(self) -> int:
-        return math.prod((self.dp, self.fsdp, self.tp, self.pp, self.cp, self.sp))
+        return math.prod(getattr(self, dim) for dim in RANK_DIMENSIONS)
 
     @property
     def data_parallel_size(self) -> int:
@@ -58,7 +62,7 @@ class DeviceMesh:
 
     def validate(self, world_size: int) -> DeviceMesh:
         if self.world_size != world_size:
-            sizes = " * ".join(f"{d}={getattr(self, d)}" for d in ("dp", "fsdp", "tp", "pp", "cp", "sp"))
+            sizes = " * ".join(f"{d}={getattr(self, d)}" for d in RANK_DIMENSIONS)
             raise ConfigError(
                 f"device mesh {sizes} = {self.world_size} ranks, but the job has world size {world_size}; "
                 f"change the mesh or launch with --nproc-per-node {self.world_size}"
@@ -69,11 +73,11 @@ class DeviceMesh:
     def infer(cls, world_size: int | None = None, **sizes: int) -> DeviceMesh:
         """Build a mesh whose unspecified data-parallel size absorbs the remaining ranks."""
         world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-        unknown = set(sizes) - set(DIMENSIONS) - {"vpp"}
+        unknown = set(sizes) - set(ALL_DIMENSIONS)
         if unknown:
-            raise ConfigError(f"unknown mesh dimension(s) {sorted(unknown)}; known: {', '.join(DIMENSIONS)}, vpp")
+            raise ConfigError(f"unknown mesh dimension(s) {sorted(unknown)}; known: {', '.join(ALL_DIMENSIONS)}")
         if "dp" not in sizes:
-            others = math.prod(sizes.get(d, 1) for d in ("fsdp", "tp", "pp", "cp", "sp"))
+            others = math.prod(sizes.get(d, 1) for d in RANK_DIMENSIONS if d != "dp")
             if world % others:
                 raise ConfigError(f"world size {world} is not divisible by the model-parallel sizes {sizes}")
             sizes["dp"] = world // others

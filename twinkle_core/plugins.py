@@ -37,21 +37,6 @@ ENTRY_POINT_GROUP = "twinkle"
 CORE_PLUGIN_NAME = "twinkle-core"
 logger = logging.getLogger("twinkle.plugins")
 
-_HOOK_FOR_KIND = {
-    "model": "twinkle_register_models",
-    "strategy": "twinkle_register_strategies",
-    "precision": "twinkle_register_precisions",
-    "loss": "twinkle_register_losses",
-    "task": "twinkle_register_tasks",
-    "source": "twinkle_register_sources",
-    "accelerator": "twinkle_register_accelerators",
-    "optimizer": "twinkle_register_optimizers",
-    "scheduler": "twinkle_register_schedulers",
-    "metric": "twinkle_register_metrics",
-    "conformance": "twinkle_register_conformance_targets",
-}
-assert set(_HOOK_FOR_KIND) == set(KINDS)
-
 
 @dataclass(frozen=True)
 class PluginFailure:
@@ -170,7 +155,7 @@ class TwinklePlugins:
             if cached is not None:
                 return cached
             found: dict[str, Registered] = {}
-            hook = getattr(self.pm.hook, _HOOK_FOR_KIND[kind])
+            hook = getattr(self.pm.hook, KINDS[kind].register_hook)
             for impl in hook.get_hookimpls():
                 info = self._plugin_info.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "unknown", "", "")
                 for record in impl.function() or ():
@@ -192,7 +177,7 @@ class TwinklePlugins:
         expected = KINDS[kind]
         if not isinstance(record, expected):
             raise TypeError(f"plugin {info.name!r} ({info.distribution}) yielded {record!r} from "
-                            f"{_HOOK_FOR_KIND[kind]}; expected {expected.__name__} records")
+                            f"{expected.register_hook}; expected {expected.__name__} records")
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.records(kind))

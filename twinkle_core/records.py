@@ -2,6 +2,11 @@
 
 A record names an implementation by reference (``"package.module:Class"``) so that listing
 plugins never imports torch or a backend. ``record.load()`` imports it on first use.
+
+This module is the one declaration of the plugin kinds: each record class carries its ``kind`` and
+the ``register_hook`` that yields it, and ``RECORD_TYPES`` lists them. ``KINDS``, the plugin
+manager's look-ups and ``twinkle plugins`` are derived from it; ``hookspecs.py`` holds the matching
+(documented) hook specifications, and ``tests/test_plugin_kinds.py`` keeps the two in step.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ class PluginRecord:
     impl: str
     description: str = ""
     kind: ClassVar[str] = "plugin"
+    register_hook: ClassVar[str] = ""  # the ``twinkle_register_*`` hook that yields records of this kind
 
     def load(self) -> Any:
         return import_object(self.impl)
@@ -28,6 +34,7 @@ class ModelRecord(PluginRecord):
     """A ``TwinkleModel`` implementation, e.g. ``TransformersModel``."""
 
     kind: ClassVar[str] = "model"
+    register_hook: ClassVar[str] = "twinkle_register_models"
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,7 @@ class StrategyRecord(PluginRecord):
     """A parallel ``Strategy`` (``ddp``, ``native_fsdp``, ``deepspeed`` ...)."""
 
     kind: ClassVar[str] = "strategy"
+    register_hook: ClassVar[str] = "twinkle_register_strategies"
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class PrecisionRecord(PluginRecord):
     """A ``Precision`` mode: ``no``, ``bf16``, ``fp16``, ``fp8``."""
 
     kind: ClassVar[str] = "precision"
+    register_hook: ClassVar[str] = "twinkle_register_precisions"
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class LossRecord(PluginRecord):
     """A ``Loss`` class."""
 
     kind: ClassVar[str] = "loss"
+    register_hook: ClassVar[str] = "twinkle_register_losses"
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,7 @@ class TaskRecord(PluginRecord):
     """A ``Task``: how rows become model inputs, which loss and metrics apply."""
 
     kind: ClassVar[str] = "task"
+    register_hook: ClassVar[str] = "twinkle_register_tasks"
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,7 @@ class SourceRecord(PluginRecord):
     """A ``ModelSource`` handling URIs of one scheme (``ms://``, ``hf://``, ``local``)."""
 
     kind: ClassVar[str] = "source"
+    register_hook: ClassVar[str] = "twinkle_register_sources"
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,7 @@ class AcceleratorRecord(PluginRecord):
     """An ``Accelerator`` (``cpu``, ``cuda``, ``npu``): device type and collective backend."""
 
     kind: ClassVar[str] = "accelerator"
+    register_hook: ClassVar[str] = "twinkle_register_accelerators"
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,7 @@ class OptimizerRecord(PluginRecord):
     """An optimizer class usable by name in ``set_optimizer("AdamW", lr=...)``."""
 
     kind: ClassVar[str] = "optimizer"
+    register_hook: ClassVar[str] = "twinkle_register_optimizers"
 
 
 @dataclass(frozen=True)
@@ -84,6 +98,7 @@ class SchedulerRecord(PluginRecord):
     """A learning-rate scheduler factory usable by name in ``set_lr_scheduler``."""
 
     kind: ClassVar[str] = "scheduler"
+    register_hook: ClassVar[str] = "twinkle_register_schedulers"
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,7 @@ class MetricRecord(PluginRecord):
     """A ``Metric`` usable by name in ``add_metric``."""
 
     kind: ClassVar[str] = "metric"
+    register_hook: ClassVar[str] = "twinkle_register_metrics"
 
 
 @dataclass(frozen=True)
@@ -104,8 +120,10 @@ class ConformanceTarget(PluginRecord):
     options: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
     kind: ClassVar[str] = "conformance"
+    register_hook: ClassVar[str] = "twinkle_register_conformance_targets"
 
 
+# every plugin kind, in the order ``twinkle plugins`` lists them
 RECORD_TYPES: tuple[type[PluginRecord], ...] = (
     ModelRecord,
     StrategyRecord,

@@ -5,6 +5,9 @@ and step counter (the core's per-adapter ``TrainState``). Tenants can be added a
 the process runs. Isolation: only the active tenant's weights receive gradients, each optimizer
 holds only its tenant's parameters, and a non-finite gradient skips that tenant's step — so
 training, a NaN or a bad batch of tenant A never changes tenant B.
+
+The tenant policy (rank and tenant limits, removal, ``tenants()``) is the core's
+:class:`~twinkle_core.model.multi_tenant.MultiTenantMixin`; this class adds PEFT's LoRA config.
 """
 
 from __future__ import annotations
@@ -13,40 +16,16 @@ from typing import Any
 
 from twinkle_backend_hf import adapters
 from twinkle_backend_hf.model import TransformersModel
-from twinkle_core.errors import ConfigError
+from twinkle_core.model.multi_tenant import MultiTenantMixin
 
 
-class MultiLoraTransformersModel(TransformersModel):
-    def __init__(self, *, max_lora_rank: int = 64, max_tenants: int | None = None, **kwargs: Any) -> None:
-        self.max_lora_rank = max_lora_rank
-        self.max_tenants = max_tenants
-        super().__init__(**kwargs)
-        if self.strategy.name != "single":
-            # A data-parallel wrapper captures the parameter set once; tenants come and go at run time.
-            raise ConfigError(f"MultiLoraTransformersModel runs one process per base model (strategy 'single'); "
-                              f"got strategy {self.strategy.name!r}")
-        for p in self.module.parameters():
-            p.requires_grad_(False)
+class MultiLoraTransformersModel(MultiTenantMixin, TransformersModel):
+    supported_strategies = ("single",)
+    strategy_note = ("It runs one process per base model: a data-parallel wrapper captures the parameter set once, "
+                     "while tenants come and go at run time.")
 
-    def add_adapter_to_model(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
-        peft_config = adapters.to_peft_config(config)
-        rank = max([peft_config.r, *getattr(peft_config, "rank_pattern", {}).values()])
-        if rank > self.max_lora_rank:
-            raise ConfigError(f"tenant {adapter_name!r} asks for LoRA rank {rank}, above max_lora_rank="
-                              f"{self.max_lora_rank}; lower r or build the model with a larger max_lora_rank")
-        if self.max_tenants is not None and len(self._adapters) >= self.max_tenants:
-            raise ConfigError(f"already {len(self._adapters)} tenants (max_tenants={self.max_tenants}); "
-                              f"remove one with remove_adapter first")
-        super().add_adapter_to_model(adapter_name, peft_config, **kwargs)
+    def _tenant_lora_config(self, config: Any) -> Any:
+        return adapters.to_peft_config(config)
 
-    def tenants(self) -> list[str]:
-        return sorted(self._adapters)
-
-    def _remove_adapter(self, adapter_name: str) -> None:
-        state = self._states[adapter_name]
-        state.optimizer = state.scheduler = None  # drop the tenant's optimizer state with it
-        self.module.delete_adapter(adapter_name)
-
-    def get_train_configs(self, *, adapter_name: str | None = None) -> dict[str, Any]:
-        return {**super().get_train_configs(adapter_name=adapter_name), "tenants": self.tenants(),
-                "max_lora_rank": self.max_lora_rank}
+    def _lora_rank(self, lora_config: Any) -> int:
+        return max([lora_config.r, *getattr(lora_config, "rank_pattern", {}).values()])

@@ -7,6 +7,9 @@ sharded with it, see ``lora.py``). Isolation: only the active tenant's LoRA laye
 each optimizer holds only its tenant's parameters, gradients are synchronised and clipped over that
 tenant's parameters only, and a non-finite gradient skips that tenant's step - so training, a NaN
 or a bad batch of tenant A never changes tenant B.
+
+The tenant policy (rank and tenant limits, removal, ``tenants()``) is the core's
+:class:`~twinkle_core.model.multi_tenant.MultiTenantMixin`; this class adds the Megatron LoRA config.
 """
 
 from __future__ import annotations
@@ -15,35 +18,12 @@ from typing import Any
 
 from twinkle_backend_megatron.lora import to_lora_config
 from twinkle_backend_megatron.model import MegatronModel
-from twinkle_core.errors import ConfigError
+from twinkle_core.model.multi_tenant import MultiTenantMixin
 
 
-class MultiLoraMegatronModel(MegatronModel):
-    def __init__(self, *, max_lora_rank: int = 64, max_tenants: int | None = None, **kwargs: Any) -> None:
-        self.max_lora_rank = max_lora_rank
-        self.max_tenants = max_tenants
-        super().__init__(**kwargs)
-        for p in self.module.parameters():
-            p.requires_grad_(False)
+class MultiLoraMegatronModel(MultiTenantMixin, MegatronModel):
+    def _tenant_lora_config(self, config: Any) -> Any:
+        return to_lora_config(config)
 
-    def add_adapter_to_model(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
-        lora = to_lora_config(config)
-        if lora.r > self.max_lora_rank:
-            raise ConfigError(f"tenant {adapter_name!r} asks for LoRA rank {lora.r}, above max_lora_rank="
-                              f"{self.max_lora_rank}; lower r or build the model with a larger max_lora_rank")
-        if self.max_tenants is not None and len(self._adapters) >= self.max_tenants:
-            raise ConfigError(f"already {len(self._adapters)} tenants (max_tenants={self.max_tenants}); "
-                              f"remove one with remove_adapter first")
-        super().add_adapter_to_model(adapter_name, lora, **kwargs)
-
-    def tenants(self) -> list[str]:
-        return sorted(self._adapters)
-
-    def _remove_adapter(self, adapter_name: str) -> None:
-        state = self._states[adapter_name]
-        state.optimizer = state.scheduler = None  # drop the tenant's optimizer state with it
-        super()._remove_adapter(adapter_name)
-
-    def get_train_configs(self, *, adapter_name: str | None = None) -> dict[str, Any]:
-        return {**super().get_train_configs(adapter_name=adapter_name), "tenants": self.tenants(),
-                "max_lora_rank": self.max_lora_rank}
+    def _lora_rank(self, lora_config: Any) -> int:
+        return lora_config.r

@@ -49,7 +49,11 @@ def resolve_model(uri: str, revision: str | None = None, timeout_s: float = 30.0
 
 
 def trust_remote_code(value: bool | None = None) -> bool:
-    """The recipe's ``model.trust_remote_code`` if set, else ``TWINKLE_TRUST_REMOTE_CODE`` (default off)."""
+    """Whether a model repository may run its own code: ``value`` if set, else ``TWINKLE_TRUST_REMOTE_CODE``.
+
+    ``value`` is the recipe's ``model.trust_remote_code`` or a backend's ``trust_remote_code=``; the
+    default is off. The training loop and every backend ask this one function, so the rule cannot drift.
+    """
     if value is not None:
         return bool(value)
     return env_flag("TWINKLE_TRUST_REMOTE_CODE", False)
