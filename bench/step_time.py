@@ -194,8 +194,8 @@ def bookkeeping_costs(spec: dict[str, Any], seed: int, batch: dict, repeats: int
     costs = {"parameter_walk": best(lambda: m._parameters(""), 50),
              "module_train": best(lambda: m.wrapped.train(), 50)}
     m.forward_backward(inputs=batch)
-    params = m._parameters("")
-    costs["scale_gradients_by_1"] = best(lambda: m.strategy.scale_gradients(m.wrapped, None, params, 1.0), 5)
+    handle = m._state(None).handle
+    costs["scale_gradients_by_1"] = best(lambda: m.strategy.scale_gradients(m.wrapped, handle, 1.0), 5)
     m.zero_grad()
     costs["per_step_total"] = 3 * costs["parameter_walk"] + costs["module_train"] + costs["scale_gradients_by_1"]
     return costs
@@ -262,7 +262,7 @@ def main() -> None:
         "target_ratio_max": 1.03,
         "meets_target": main_cmp["paired_ratio"]["median"] <= 1.03,
     }
-    path = C.write_result("step_time", payload, mon)
+    path = C.write_result("step_time", payload, mon, out_dir=args.out_dir)
 
     rows = []
     for label, r in (("bench model", main_cmp), ("overhead probe", probe)):

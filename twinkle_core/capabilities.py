@@ -16,7 +16,7 @@ listing what would work, instead of after the process group is up and the weight
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from twinkle_core.errors import ConfigError
@@ -28,10 +28,18 @@ def active_dimensions(mesh: DeviceMesh) -> dict[str, int]:
     return {dim: size for dim, size in mesh.to_dict().items() if size > 1}
 
 
-def check_mesh(strategy_name: str, mesh: DeviceMesh, supported: Iterable[str]) -> None:
-    """Refuse mesh dimensions that a strategy does not implement (instead of silently ignoring them)."""
+def check_mesh(strategy_name: str, mesh: DeviceMesh, supported: Iterable[str],
+               notes: Mapping[str, str] | None = None) -> None:
+    """Refuse mesh dimensions that a strategy does not implement (instead of silently ignoring them).
+
+    ``notes`` maps a dimension to the strategy's own explanation (what to use instead); it is formatted
+    with ``size=`` and replaces the generic message.
+    """
     supported = tuple(supported)
     extra = {dim: size for dim, size in active_dimensions(mesh).items() if dim not in supported}
+    for dim, size in extra.items():
+        if notes and dim in notes:
+            raise ConfigError(notes[dim].format(size=size))
     if extra:
         sizes = ", ".join(f"{dim}={size}" for dim, size in extra.items())
         implemented = ", ".join(sorted(supported)) or "none (one process)"
@@ -75,13 +83,14 @@ def check_compatible(model_cls: type, strategy_cls: type, mesh: DeviceMesh | Non
     model = model_cls.__name__
     allowed = getattr(model_cls, "supported_strategies", None)
     if allowed is not None and name not in allowed:
-        listed = ", ".join(repr(s) for s in allowed)
-        raise ConfigError(f"{model} runs on the {listed} strategy only (strategy {allowed[0]!r}"
-                          f"{''.join(', ' + repr(s) for s in allowed[1:])}); got strategy {name!r}. "
+        listed = " / ".join(repr(s) for s in allowed)
+        fix = (f"use strategy {allowed[0]!r}" if len(allowed) == 1
+               else f"use one of the strategies {', '.join(repr(s) for s in allowed)}")
+        raise ConfigError(f"{model} runs on the {listed} strategy only; got strategy {name!r}: {fix}. "
                           f"{getattr(model_cls, 'strategy_note', '')}".rstrip())
     drives = getattr(strategy_cls, "supported_models", None)
     if drives is not None and not (_class_names(model_cls) & set(drives)):
         raise ConfigError(f"strategy {name!r} drives {', '.join(drives)} only; {model} cannot run on it. "
                           f"Choose the model class that matches the strategy, or another strategy")
     if mesh is not None:
-        check_mesh(name, mesh, getattr(strategy_cls, "mesh_dimensions", ()))
+        check_mesh(name, mesh, getattr(strategy_cls, "mesh_dimensions", ()), getattr(strategy_cls, "dimension_notes", {}))

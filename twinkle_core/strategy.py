@@ -60,6 +60,8 @@ class Strategy(ABC):
     #: mesh dimensions this strategy implements; a mesh with any other dimension > 1 is refused
     #: before anything is built (see :mod:`twinkle_core.capabilities`)
     mesh_dimensions: ClassVar[tuple[str, ...]] = ()
+    #: what to use instead of a mesh dimension the strategy does not implement (``{size}`` is filled in)
+    dimension_notes: ClassVar[dict[str, str]] = {}
     #: model classes (by class name, subclasses included) this strategy can drive; ``None``: any
     supported_models: ClassVar[tuple[str, ...] | None] = None
 

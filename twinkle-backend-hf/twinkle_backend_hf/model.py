@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from twinkle_backend_hf import adapters
-from twinkle_core.envflags import env_flag
 from twinkle_core.errors import ConfigError
 from twinkle_core.model.torch_model import TorchTwinkleModel
+from twinkle_core.sources import resolve
 
 
 class TransformersModel(TorchTwinkleModel):
@@ -35,14 +35,19 @@ class TransformersModel(TorchTwinkleModel):
             raise ConfigError("TransformersModel needs model_id= (a path, hf:// or ms:// id) or config= "
                               "(a transformers config or a dict with model_type)")
         self.model_id, self.config_spec, self.revision = model_id, config, revision
-        self.trust_remote_code = (env_flag("TWINKLE_TRUST_REMOTE_CODE") if trust_remote_code is None
-                                  else bool(trust_remote_code))
+        self.trust_remote_code = resolve.trust_remote_code(trust_remote_code)
         self.attn_implementation = attn_implementation
         self.gradient_checkpointing = gradient_checkpointing
         self.auto_class = auto_class
         self.model_kwargs = model_kwargs or {}
         self.model_path: str | None = None
         super().__init__(**kwargs)
+
+    @classmethod
+    def load_tokenizer(cls, path: str, *, trust_remote_code: bool = False) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
     # ------------------------------------------------------------------ building
     def _auto_class(self) -> Any:

@@ -31,11 +31,11 @@ from typing import Any
 import torch
 
 from twinkle_backend_megatron import convert
-from twinkle_backend_megatron.strategy import MegatronStrategy
-from twinkle_core.envflags import env_flag
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
 from twinkle_core.loss.base import LossOutput
 from twinkle_core.model.torch_model import FULL_MODEL, TorchTwinkleModel
+from twinkle_core.model.train_state import TrainState
+from twinkle_core.sources import resolve
 
 _RECOMPUTE = {
     None: {},
@@ -56,6 +56,9 @@ def _pipeline_error(method: str, pp: int) -> ConfigError:
 
 class MegatronModel(TorchTwinkleModel):
     model_input_keys = ("input_ids", "attention_mask", "position_ids")
+    supported_strategies = ("megatron",)
+    strategy_note = ("It builds megatron-core's GPTModel, sharded by that strategy's mesh (TP / PP / VPP / EP / DP): "
+                     "drop strategy= or pass strategy='megatron'.")
 
     def __init__(self, *, model_id: str | None = None, config: Any = None, revision: str | None = None,
                  trust_remote_code: bool | None = None, recompute: str | None = None,
@@ -64,11 +67,6 @@ class MegatronModel(TorchTwinkleModel):
         if model_id is None and config is None:
             raise ConfigError("MegatronModel needs model_id= (a path, hf:// or ms:// id) or config= "
                               "(a transformers config or a dict with model_type)")
-        if isinstance(strategy, str) and strategy != "megatron":
-            raise ConfigError(f"MegatronModel runs on the 'megatron' strategy (TP / PP / DP from the mesh); got "
-                              f"strategy {strategy!r}. Drop strategy= or pass strategy='megatron'")
-        if not isinstance(strategy, (str, MegatronStrategy)):
-            raise ConfigError(f"MegatronModel needs a MegatronStrategy, got {type(strategy).__name__}")
         if recompute not in _RECOMPUTE:
             raise ConfigError(f"recompute must be one of {[k for k in _RECOMPUTE if k]} or None, got {recompute!r}")
         precision = kwargs.get("precision", "no")
@@ -76,14 +74,19 @@ class MegatronModel(TorchTwinkleModel):
             raise UnsupportedHardwareError("precision 'fp8' on the Megatron backend needs Transformer Engine layers, "
                                            "which this release does not build (local layer spec); use 'bf16'")
         self.model_id, self.config_spec, self.revision = model_id, config, revision
-        self.trust_remote_code = (env_flag("TWINKLE_TRUST_REMOTE_CODE") if trust_remote_code is None
-                                  else bool(trust_remote_code))
+        self.trust_remote_code = resolve.trust_remote_code(trust_remote_code)
         self.recompute = recompute
         self.transformer_config_overrides = dict(transformer_config or {})
         self.model_path: str | None = None
         self._lora: Any = None
         self._adapters_config: dict[str, Any] = {}
         super().__init__(strategy=strategy, **kwargs)
+
+    @classmethod
+    def load_tokenizer(cls, path: str, *, trust_remote_code: bool = False) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
     # ================================================================== building
     @property
@@ -487,101 +490,114 @@ class MegatronModel(TorchTwinkleModel):
 
     # ================================================================== pipeline parallelism
     def _pipeline(self, inputs: dict[str, Any], adapter_name: str | None, *, forward_only: bool) -> dict[str, Any]:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         name = self._resolve_name(adapter_name)
         state = self._states[name]
         inputs = self._to_device(self.strategy.prepare_inputs(dict(inputs)))
-        rows, length = inputs["input_ids"].shape
+        pieces = self._micro_batches(inputs)
+        if not forward_only:
+            self._ensure_loss(state)
+            # every stage needs the window's divisor before the last stage has computed a loss: count the labels
+            state.open_window(_label_count(inputs), self.strategy, self.device)
+        scored: list[tuple[dict[str, Any], LossOutput | None]] = []  # (outputs, loss) per micro-batch, last stage
+        self._run_schedule(name, pieces, self._forward_step(state, scored, forward_only=forward_only),
+                           forward_only=forward_only)
+        if forward_only:
+            return self._evaluation_outputs(scored, inputs)
+        return self._training_outputs(state, scored)
+
+    def _micro_batches(self, inputs: dict[str, Any]) -> list[dict[str, Any]]:
+        """The batch split into the strategy's ``num_microbatches`` equal pipeline micro-batches (row-wise)."""
+        rows = inputs["input_ids"].shape[0]
         micro = self.strategy.num_microbatches
         if rows % micro:
             raise ConfigError(f"a batch of {rows} rows cannot be split into num_microbatches={micro} equal pipeline "
                               f"micro-batches; change the batch size or strategy_options num_microbatches")
         size = rows // micro
-        pieces = [{k: (v[i * size:(i + 1) * size] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows
-                       else v) for k, v in inputs.items()} for i in range(micro)]
-        if not forward_only:
-            if state.loss is None:
-                self.set_loss(getattr(self.task, "default_loss", "") or "cross_entropy", adapter_name=name or None)
-            if state.backward_calls == 0:
-                # the window's constant divisor (see TorchTwinkleModel.backward), computed from the labels so that
-                # every pipeline stage knows it before the last stage has computed a loss
-                labels = inputs.get("labels")
-                count = float((labels != -100).sum()) if labels is not None else float(inputs["input_ids"].numel())
-                first = self.strategy.global_sum(torch.tensor(count, dtype=torch.float64, device=self.device))
-                state.loss_divisor = max(1.0, float(first) / self.strategy.dp_size)
-        results: list[LossOutput] = []
-        logits_out: list[torch.Tensor] = []
+        per_row = {k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows}
+        return [{k: v[i * size:(i + 1) * size] if k in per_row else v for k, v in inputs.items()}
+                for i in range(micro)]
+
+    def _task_outputs(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+        return self.task.process_outputs(outputs, inputs) if self.task is not None else outputs
+
+    def _forward_step(self, state: TrainState, scored: list[tuple[dict[str, Any], LossOutput | None]], *,
+                      forward_only: bool) -> Any:
+        """megatron-core's ``forward_step_func``: run a chunk; on the last stage, score its output into ``scored``."""
         vocab = self.spec.vocab_size
 
         def forward_step(data_iterator: Any, chunk: Any) -> Any:
             batch = next(data_iterator)
-            output = self._call_chunk(chunk, batch)
 
             def loss_func(output_tensor: torch.Tensor) -> Any:
                 logits = output_tensor[..., :vocab]
-                if forward_only:
-                    logits_out.append(logits.detach())
+                if forward_only:  # the task sees the whole batch once the logits reached every stage
+                    scored.append(({"logits": logits.detach()}, None))
                     return output_tensor.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
-                outputs = {"logits": logits}
-                result = state.loss(outputs, batch)
-                if not isinstance(result, LossOutput):
-                    raise TypeError(f"loss {state.loss!r} returned {type(result).__name__}; expected LossOutput")
-                for metric in state.metrics:
-                    metric.update(batch, outputs, result)
-                results.append(result)
-                logits_out.append(logits.detach())
-                scaled = self.precision.scale_loss(result.loss / state.loss_divisor)
+                outputs = self._task_outputs({"logits": logits}, batch)
+                result = state.apply_loss(outputs, batch, self.loss_context)
+                scored.append(({k: v.detach() if torch.is_tensor(v) else v for k, v in outputs.items()}, result))
+                scaled = self.precision.scale_loss(state.scale_for_backward(result.loss))
                 return scaled, torch.tensor(int(float(result.num_tokens)), dtype=torch.int), {}
 
-            return output, loss_func
+            return self._call_chunk(chunk, batch), loss_func
+
+        return forward_step
+
+    def _run_schedule(self, adapter: str, pieces: list[dict[str, Any]], forward_step: Any, *,
+                      forward_only: bool) -> None:
+        """Run megatron-core's pipeline schedule (1F1B, interleaved with ``vpp > 1``) over the micro-batches."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         chunks = self.chunks
+        size, length = pieces[0]["input_ids"].shape
+        grad_context = torch.no_grad() if forward_only else contextlib.nullcontext()
         for chunk in chunks:
             chunk.train(not forward_only)
-        schedule = get_forward_backward_func()
-        grad_context = torch.no_grad() if forward_only else contextlib.nullcontext()
-        with self._adapter_context(name or None), self.precision.autocast(self.device.type), grad_context:
-            schedule(forward_step_func=forward_step, data_iterator=[iter(pieces) for _ in chunks],
-                     model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=micro, seq_length=length,
-                     micro_batch_size=size, forward_only=forward_only)
-        for chunk in chunks:
-            chunk.train()
-        last = ps.is_pipeline_last_stage(ignore_virtual=True)
-        src = ps.get_pipeline_model_parallel_last_rank()
-        group = ps.get_pipeline_model_parallel_group()
-        if forward_only:
-            logits = torch.cat(logits_out) if last else None
-            meta = torch.tensor([_DTYPES.index(logits.dtype) if last else 0], dtype=torch.long, device=self.device)
-            dist.broadcast(meta, src=src, group=group)
-            dtype = _DTYPES[int(meta)]
-            if not last:
-                logits = torch.empty((rows, length, vocab), dtype=dtype, device=self.device)
-            else:
-                logits = logits.contiguous()
-            dist.broadcast(logits, src=src, group=group)
-            return {"logits": logits}
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if last:
-            totals[0] = sum(float(r.loss.detach()) for r in results)
-            totals[1] = sum(float(r.num_tokens) for r in results)
-        dist.broadcast(totals, src=src, group=group)
-        loss_sum, tokens = float(totals[0]), float(totals[1])
-        state.backward_calls += 1
-        state.pending_tokens += tokens
-        state.gradients_normalised = False
-        state.last_inputs = state.last_outputs = state.last_loss = None
+        try:
+            with self._adapter_context(adapter or None), self.precision.autocast(self.device.type), grad_context:
+                get_forward_backward_func()(
+                    forward_step_func=forward_step, data_iterator=[iter(pieces) for _ in chunks],
+                    model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(pieces), seq_length=length,
+                    micro_batch_size=size, forward_only=forward_only)
+        finally:
+            for chunk in chunks:
+                chunk.train()
+
+    def _evaluation_outputs(self, scored: list[tuple[dict[str, Any], None]], inputs: dict[str, Any]) -> dict[str, Any]:
+        """The last stage's logits on every stage, then the task's outputs of the whole batch."""
+        logits = torch.cat([outputs["logits"] for outputs, _ in scored]) if _is_last_stage() else None
+        logits = self._logits_from_last_stage(logits, tuple(inputs["input_ids"].shape))
+        with self.precision.autocast(self.device.type), torch.no_grad():
+            return self._task_outputs({"logits": logits}, inputs)
+
+    def _logits_from_last_stage(self, logits: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
+        """Broadcast the last stage's ``logits`` (``None`` elsewhere) of a ``shape`` batch to every stage."""
+        dtype_index = torch.tensor([_DTYPES.index(logits.dtype) if logits is not None else 0], dtype=torch.long,
+                                   device=self.device)
+        _broadcast_from_last_stage(dtype_index)
+        if logits is None:
+            logits = torch.empty((*shape, self.spec.vocab_size), dtype=_DTYPES[int(dtype_index)], device=self.device)
+        else:
+            logits = logits.contiguous()
+        _broadcast_from_last_stage(logits)
+        return logits
+
+    def _training_outputs(self, state: TrainState, scored: list[tuple[dict[str, Any], LossOutput]]) -> dict[str, Any]:
+        """Record the window's backward and report the loss on every stage (outputs and metrics on the last)."""
+        results = [result for _, result in scored]
+        loss_sum, tokens = self._loss_totals(results)
+        state.record_backward(tokens)
         out: dict[str, Any] = {"loss": torch.tensor(loss_sum / tokens if tokens else math.nan), "num_tokens": tokens}
-        if last:
-            out["logits"] = torch.cat(logits_out)
-            extra: dict[str, list[Any]] = {}
-            for r in results:
-                for key, value in r.metrics.items():
-                    extra.setdefault(key, []).append(float(value))
-            out.update({k: sum(v) / len(v) for k, v in extra.items()})
+        if _is_last_stage():
+            out = {**_join_micro_batches([outputs for outputs, _ in scored]), **out, **_mean_metrics(results)}
         return out
+
+    def _loss_totals(self, results: list[LossOutput]) -> tuple[float, float]:
+        """``(sum loss, tokens)`` of the micro-batches, computed on the last stage, known on every stage."""
+        totals = torch.tensor([sum(float(r.loss.detach()) for r in results), sum(float(r.num_tokens) for r in results)],
+                              dtype=torch.float64, device=self.device)
+        _broadcast_from_last_stage(totals)
+        return float(totals[0]), float(totals[1])
 
     def calculate_metric(self, *, adapter_name: str | None = None, reset: bool = True) -> dict[str, float]:
         if self.pp_size == 1:
@@ -591,7 +607,7 @@ class MegatronModel(TorchTwinkleModel):
         from megatron.core import parallel_state as ps
 
         holder: list[Any] = [None]
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
+        if _is_last_stage():
             holder[0] = super().calculate_metric(adapter_name=adapter_name, reset=reset)
         else:
             state = self._state(adapter_name)
@@ -601,6 +617,40 @@ class MegatronModel(TorchTwinkleModel):
         dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),
                                    group=ps.get_pipeline_model_parallel_group())
         return holder[0]
+
+
+def _label_count(inputs: dict[str, Any]) -> float:
+    """Tokens a loss will count in ``inputs``: labelled ones (``-100`` is ignored), else every input token."""
+    labels = inputs.get("labels")
+    return float((labels != -100).sum()) if labels is not None else float(inputs["input_ids"].numel())
+
+
+def _is_last_stage() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def _broadcast_from_last_stage(tensor: torch.Tensor) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dist.broadcast(tensor, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+
+
+def _join_micro_batches(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The micro-batches' per-row outputs (logits, task outputs) joined into the batch's."""
+    return {key: torch.cat([part[key] for part in parts]) for key, value in parts[0].items()
+            if torch.is_tensor(value) and value.dim()}
+
+
+def _mean_metrics(results: list[LossOutput]) -> dict[str, float]:
+    """Each extra metric a loss reported, averaged over the micro-batches that reported it."""
+    values: dict[str, list[float]] = {}
+    for result in results:
+        for key, value in result.metrics.items():
+            values.setdefault(key, []).append(float(value))
+    return {key: sum(v) / len(v) for key, v in values.items()}
 
 
 def _mark_tensor_parallel(chunk: torch.nn.Module) -> None:

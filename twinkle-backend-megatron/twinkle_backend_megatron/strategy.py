@@ -31,19 +31,51 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from twinkle_core import distributed
+from twinkle_core.capabilities import check_mesh
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
 from twinkle_core.mesh import DeviceMesh
-from twinkle_core.strategy import Strategy
+from twinkle_core.strategy import OptimizerHandle, Strategy
 
 if TYPE_CHECKING:
     from twinkle_core.accelerator import Accelerator
+    from twinkle_core.precision import Precision
 
 _KNOWN_OPTIONS = ("num_microbatches", "batch_p2p_comm", "sequence_parallel", "distributed_optimizer")
+
+#: mesh dimensions Megatron has no counterpart for, and what to use instead (the core's capability check
+#: shows these in place of its generic refusal)
+_FOREIGN_DIMENSIONS = {
+    "fsdp": ("strategy 'megatron' has no fsdp dimension (mesh.fsdp={size}); use mesh.dp for data parallelism "
+             "(distributed_optimizer=True shards the optimizer state over it)"),
+    "sp": ("strategy 'megatron' has no Ulysses sequence parallelism (mesh.sp={size}); use mesh.cp (context "
+           "parallel) or sequence_parallel=True with mesh.tp > 1"),
+}
+
+
+@dataclass(eq=False)
+class MegatronHandle(OptimizerHandle):
+    """An optimizer as the ``megatron`` strategy drives it.
+
+    ``sharded`` is megatron-core's ``DistributedOptimizer`` around ``optimizer`` (``None`` without
+    ``distributed_optimizer``); ``grads_ready`` says whether its main gradients were already copied from
+    the gradient buffers in this window (``prepare_grads`` must run exactly once per step).
+    """
+
+    sharded: Any = None
+    grads_ready: bool = False
+
+    def prepared(self) -> Any:
+        """The distributed optimizer, with this window's main gradients copied from the buffers."""
+        if not self.grads_ready:
+            self.sharded.prepare_grads()
+            self.grads_ready = True
+        return self.sharded
 
 
 def _ensure_process_group(backend: str) -> None:
@@ -59,20 +91,23 @@ def _ensure_process_group(backend: str) -> None:
 class MegatronStrategy(Strategy):
     name = "megatron"
     averages_gradients = False  # gradients are summed over data-parallel ranks, then divided by global tokens
+    mesh_dimensions: ClassVar[tuple[str, ...]] = ("dp", "tp", "pp", "vpp", "cp", "ep")
+    supported_models: ClassVar[tuple[str, ...] | None] = ("MegatronModel",)
+    dimension_notes: ClassVar[dict[str, str]] = _FOREIGN_DIMENSIONS
 
-    def __init__(self, mesh: DeviceMesh | None = None, *, num_microbatches: int | None = None,
-                 batch_p2p_comm: bool | None = None, sequence_parallel: bool = False,
-                 distributed_optimizer: bool = False, **options: Any) -> None:
+    def __init__(self, mesh: DeviceMesh | None = None, *, precision: Precision | None = None,
+                 num_microbatches: int | None = None, batch_p2p_comm: bool | None = None,
+                 sequence_parallel: bool = False, distributed_optimizer: bool = False, **options: Any) -> None:
         if options:
             raise ConfigError(f"strategy 'megatron' got unknown option(s) {sorted(options)}; known: "
                               f"{', '.join(_KNOWN_OPTIONS)}")
         if num_microbatches is not None and num_microbatches < 1:
             raise ConfigError("strategy 'megatron': num_microbatches must be >= 1")
-        super().__init__(mesh, num_microbatches=num_microbatches, batch_p2p_comm=batch_p2p_comm,
+        if mesh is not None:
+            check_mesh(self.name, mesh, self.mesh_dimensions, self.dimension_notes)
+        super().__init__(mesh, precision=precision, num_microbatches=num_microbatches, batch_p2p_comm=batch_p2p_comm,
                          sequence_parallel=sequence_parallel, distributed_optimizer=distributed_optimizer)
         self.cpu_layer = False
-        #: id(inner torch optimizer) -> [megatron-core DistributedOptimizer, gradients prepared?]
-        self._distributed: dict[int, list[Any]] = {}
 
     # ------------------------------------------------------------------ process groups
     def setup(self, accelerator: Accelerator) -> None:
@@ -87,12 +122,6 @@ class MegatronStrategy(Strategy):
         if self.mesh is None:
             self.mesh = DeviceMesh.infer(world)
         mesh = self.mesh
-        if mesh.fsdp > 1:
-            raise ConfigError(f"strategy 'megatron' has no fsdp dimension (mesh.fsdp={mesh.fsdp}); use mesh.dp for data "
-                              f"parallelism (distributed_optimizer=True shards the optimizer state over it)")
-        if mesh.sp > 1:
-            raise ConfigError(f"strategy 'megatron' has no Ulysses sequence parallelism (mesh.sp={mesh.sp}); use "
-                              f"mesh.cp (context parallel) or sequence_parallel=True with mesh.tp > 1")
         on_cpu = accelerator.device_type == "cpu"
         if on_cpu and mesh.cp > 1:
             raise UnsupportedHardwareError("context parallelism (mesh.cp > 1) in megatron-core needs Transformer Engine "
@@ -190,15 +219,20 @@ class MegatronStrategy(Strategy):
     def _ddp_chunks(module: torch.nn.Module) -> list[Any]:
         return list(module) if isinstance(module, torch.nn.ModuleList) else [module]
 
-    def prepare_optimizer(self, module: torch.nn.Module, optimizer: Any, *,
-                          gradient_accumulation_steps: int = 1) -> tuple[torch.nn.Module, Any]:
+    def prepare_optimizer(self, module: torch.nn.Module, optimizer: Any, *, parameters: list[torch.nn.Parameter],
+                          gradient_accumulation_steps: int = 1) -> tuple[torch.nn.Module, MegatronHandle]:
         """With ``distributed_optimizer``: shard ``optimizer`` (its class and hyper-parameters) with megatron-core.
 
-        The returned optimizer is the inner torch optimizer, whose parameter groups now hold this rank's
+        The handle's optimizer stays the inner torch optimizer, whose parameter groups then hold this rank's
         fp32 main-weight shards: schedulers and ``param_groups[0]["lr"]`` work on it as on any optimizer.
         """
-        if not self.distributed_optimizer:
-            return module, optimizer
+        handle = MegatronHandle(optimizer, list(parameters), gradient_accumulation_steps)
+        if self.distributed_optimizer:
+            handle.sharded = self._shard_optimizer(module, optimizer)
+        return module, handle
+
+    def _shard_optimizer(self, module: torch.nn.Module, optimizer: Any) -> Any:
+        """megatron-core's ``DistributedOptimizer`` around ``optimizer`` (ZeRO-1 over the data-parallel ranks)."""
         from megatron.core import parallel_state as ps
         from megatron.core.optimizer import OptimizerConfig
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -212,31 +246,26 @@ class MegatronStrategy(Strategy):
                                  clip_grad=0.0, use_distributed_optimizer=True, params_dtype=torch.float32)
         chunks = self._ddp_chunks(module)
         buffers = {i: list(chunk.buffers) + list(chunk.expert_parallel_buffers) for i, chunk in enumerate(chunks)}
-        distributed_optimizer = DistributedOptimizer(
+        return DistributedOptimizer(
             optimizer, config, None, None, model_chunks=chunks, per_model_buffers=buffers,
             data_parallel_group=ps.get_data_parallel_group(with_context_parallel=True),
             data_parallel_group_gloo=None, data_parallel_group_idx=0, distributed_optimizer_instance_id=0)
-        self._distributed[id(optimizer)] = [distributed_optimizer, False]
-        return module, optimizer
-
-    def _prepared(self, optimizer: Any) -> Any:
-        """The megatron-core optimizer of ``optimizer`` with its main gradients copied from the buffers."""
-        entry = self._distributed[id(optimizer)]
-        if not entry[1]:
-            entry[0].prepare_grads()
-            entry[1] = True
-        return entry[0]
 
     # ------------------------------------------------------------------ gradients
-    def scale_gradients(self, module: torch.nn.Module, optimizer: Any, parameters: list[torch.nn.Parameter],
-                        factor: float) -> None:
-        from megatron.core import parallel_state as ps
-
-        if optimizer is not None and id(optimizer) in self._distributed:
+    def scale_gradients(self, module: torch.nn.Module, handle: MegatronHandle, factor: float) -> None:
+        if handle.sharded is not None:
             for chunk in self._ddp_chunks(module):
                 chunk.finish_grad_sync()  # reduce-scatter (summed: calculate_per_token_loss) into the buffers
                 chunk.scale_gradients(factor)
             return
+        self._sum_replicated_gradients(handle.parameters)
+        for p in handle.parameters:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    def _sum_replicated_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+        """Sum each gradient over the ranks holding a copy of its weight (data, expert-data, SP, tied embedding)."""
+        from megatron.core import parallel_state as ps
 
         if self.dp_size > 1:
             dense = [p for p in parameters if getattr(p, "allreduce", True)]
@@ -252,21 +281,19 @@ class MegatronStrategy(Strategy):
             shared = [p for p in parameters if getattr(p, "shared_embedding", False)]
             if ps.is_rank_in_embedding_group(ignore_virtual=True):
                 _all_reduce_grads(shared, ps.get_embedding_group())
-        for p in parameters:
-            if p.grad is not None:
-                p.grad.mul_(factor)
 
-    def clip_grad_norm(self, module: torch.nn.Module, optimizer: Any, parameters: list[torch.nn.Parameter],
-                       max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        if optimizer is not None and id(optimizer) in self._distributed:
+    def clip_grad_norm(self, module: torch.nn.Module, handle: MegatronHandle, max_norm: float,
+                       norm_type: float = 2.0) -> torch.Tensor:
+        if handle.sharded is not None:
             from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
 
-            sharded = self._prepared(optimizer)
+            sharded = handle.prepared()
             norm = get_grad_norm_fp32(sharded.get_main_grads_for_grad_norm(), norm_type=norm_type,
                                       grad_stats_parallel_group=sharded.get_grad_stats_parallel_group())
             if math.isfinite(max_norm) and math.isfinite(norm):
                 clip_grad_by_total_norm_fp32(sharded.get_parameters(), max_norm, norm)
             return torch.tensor(float(norm))
+        parameters = handle.parameters
         norm = self.grad_norm(parameters, norm_type)
         if math.isfinite(max_norm) and math.isfinite(float(norm)):
             coefficient = max_norm / (float(norm) + 1e-6)
@@ -305,21 +332,20 @@ class MegatronStrategy(Strategy):
             return torch.maximum(parts[False], parts[True]).float()
         return (parts[False] + parts[True]).pow(1.0 / norm_type).float()
 
-    def optimizer_step(self, module: torch.nn.Module, optimizer: Any, precision: Any) -> bool:
-        if optimizer is None or id(optimizer) not in self._distributed:
-            return super().optimizer_step(module, optimizer, precision)
-        sharded = self._prepared(optimizer)
-        success = sharded.step_with_ready_grads()  # steps this rank's shard, then all-gathers the weights
-        self._distributed[id(optimizer)][1] = False
+    def optimizer_step(self, module: torch.nn.Module, handle: MegatronHandle) -> bool:
+        if handle.sharded is None:
+            return super().optimizer_step(module, handle)
+        success = handle.prepared().step_with_ready_grads()  # steps this rank's shard, then all-gathers the weights
+        handle.grads_ready = False
         return bool(success)
 
-    def zero_grad(self, module: torch.nn.Module, optimizer: Any, parameters: list[torch.nn.Parameter]) -> None:
-        if optimizer is None or id(optimizer) not in self._distributed:
-            return super().zero_grad(module, optimizer, parameters)
+    def zero_grad(self, module: torch.nn.Module, handle: MegatronHandle) -> None:
+        if handle.sharded is None:
+            return super().zero_grad(module, handle)
         for chunk in self._ddp_chunks(module):
             chunk.zero_grad_buffer()
-        self._distributed[id(optimizer)][0].zero_grad()
-        self._distributed[id(optimizer)][1] = False
+        handle.sharded.zero_grad()
+        handle.grads_ready = False
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, module: torch.nn.Module, state_dict: dict[str, torch.Tensor],
@@ -333,31 +359,32 @@ class MegatronStrategy(Strategy):
     def _layout(self) -> dict[str, int]:
         return {**self.mesh.to_dict(), "world_size": distributed.world_size()}
 
-    def _base_model_optimizer(self, module: torch.nn.Module, optimizer: Any) -> bool:
-        """Whether ``optimizer`` trains base-model weights only (they carry megatron-core's sharding metadata)."""
+    def _base_model_optimizer(self, module: torch.nn.Module, handle: MegatronHandle) -> bool:
+        """Whether the optimizer trains base-model weights only (they carry megatron-core's sharding metadata)."""
         base = {id(p) for name, p in self.unwrap_module(module).named_parameters() if ".lora." not in name}
-        return all(id(p) in base for group in optimizer.param_groups for p in group["params"])
+        # the optimizer's own groups, not handle.parameters: an optimizer instance may hold other weights
+        return all(id(p) in base for group in handle.optimizer.param_groups for p in group["params"])
 
-    def save_optimizer_state(self, directory: str, module: torch.nn.Module, optimizer: Any) -> None:
+    def save_optimizer_state(self, directory: str, module: torch.nn.Module, handle: MegatronHandle) -> None:
         """Base-model optimizers go through ``dist_checkpointing`` (resumable at another TP / PP / VPP / DP layout,
         see :mod:`twinkle_backend_megatron.checkpointing`); adapters' optimizers and the distributed optimizer
         write one file per rank (resumable at the same layout)."""
         from twinkle_backend_megatron import checkpointing
 
-        if id(optimizer) not in self._distributed and self._base_model_optimizer(module, optimizer):
-            checkpointing.save_optimizer(directory, self.unwrap_module(module), optimizer)
+        if handle.sharded is None and self._base_model_optimizer(module, handle):
+            checkpointing.save_optimizer(directory, self.unwrap_module(module), handle.optimizer)
         else:
-            torch.save({"layout": self._layout(), "state": optimizer.state_dict()},
+            torch.save({"layout": self._layout(), "state": handle.optimizer.state_dict()},
                        os.path.join(directory, f"optimizer-rank{distributed.rank():05d}.pt"))
 
-    def load_optimizer_state(self, directory: str, module: torch.nn.Module, optimizer: Any) -> None:
+    def load_optimizer_state(self, directory: str, module: torch.nn.Module, handle: MegatronHandle) -> None:
         from twinkle_backend_megatron import checkpointing
 
         if os.path.isdir(os.path.join(directory, checkpointing.DIST_DIR)):
-            if id(optimizer) in self._distributed:
+            if handle.sharded is not None:
                 raise ConfigError(f"{directory} holds a regular optimizer's state (dist_checkpointing) but this run "
                                   f"uses distributed_optimizer=True; resume with distributed_optimizer off")
-            checkpointing.load_optimizer(directory, self.unwrap_module(module), optimizer)
+            checkpointing.load_optimizer(directory, self.unwrap_module(module), handle.optimizer)
             return
         path = os.path.join(directory, f"optimizer-rank{distributed.rank():05d}.pt")
         if not os.path.exists(path):
@@ -368,7 +395,7 @@ class MegatronStrategy(Strategy):
                               f"{saved['layout']}, but this job runs {self._layout()}; LoRA adapters and the distributed "
                               f"optimizer resume with the same mesh (full fine-tuning checkpoints without "
                               f"distributed_optimizer reshard)")
-        optimizer.load_state_dict(saved["state"])
+        handle.optimizer.load_state_dict(saved["state"])
 
 
 def _all_reduce_grads(parameters: list[torch.nn.Parameter], group: Any) -> None:

@@ -19,10 +19,28 @@ token count of all accumulated micro-batches (over all data-parallel ranks) befo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
+
+from twinkle_core.errors import ConfigError
 
 
 class TwinkleModel(ABC):
+    #: strategies (by name) this model class runs on; ``None``: any. Checked with the strategy's own
+    #: ``mesh_dimensions`` before anything is built (see :mod:`twinkle_core.capabilities`)
+    supported_strategies: ClassVar[tuple[str, ...] | None] = None
+    #: one sentence appended to the error when a strategy is refused (why the model needs its strategy)
+    strategy_note: ClassVar[str] = ""
+
+    @classmethod
+    def load_tokenizer(cls, path: str, *, trust_remote_code: bool = False) -> Any:
+        """The tokenizer stored at ``path`` (a local directory), loaded the way this backend reads them.
+
+        The trainer calls it on the recipe's model class, so that twinkle-core itself needs no
+        tokenizer library. The default refuses: a backend that can load tokenizers overrides it.
+        """
+        raise ConfigError(f"{cls.__name__} cannot load a tokenizer (from {path}): load it yourself and pass "
+                          f"tokenizer=, or use a model class whose backend can (such as TransformersModel)")
+
     # ------------------------------------------------------------------ compute
     @abstractmethod
     def forward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
@@ -121,4 +139,9 @@ class TwinkleModel(ABC):
 
     @abstractmethod
     def get_train_configs(self, *, adapter_name: str | None = None) -> dict[str, Any]:
-        """A plain-dict description of the model, strategy, precision, optimizer, scheduler, loss and step."""
+        """A plain-dict description of the model, strategy, precision, optimizer, scheduler, loss and step.
+
+        It follows the schema :data:`twinkle_core.model.train_configs.TrainConfigs` (the keys every
+        model returns and their types, e.g. ``lr``: the optimizer's current learning rate or ``None``);
+        :func:`twinkle_core.model.train_configs.check_train_configs` lists a result's deviations.
+        """

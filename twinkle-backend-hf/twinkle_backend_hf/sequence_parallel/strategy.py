@@ -28,8 +28,9 @@ strategy's options.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -37,12 +38,14 @@ from twinkle_backend_hf.sequence_parallel import ulysses
 from twinkle_backend_hf.strategies import _dist
 from twinkle_backend_hf.strategies.ddp import DDPStrategy
 from twinkle_core import distributed
+from twinkle_core.capabilities import check_mesh
 from twinkle_core.errors import ConfigError
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.strategy import Strategy
 
 if TYPE_CHECKING:
     from twinkle_core.accelerator import Accelerator
+    from twinkle_core.loss.base import LossContext
 
 _OWN_OPTIONS = ("inner_attn_implementation", "pad_token_id", "ignore_index", "gather_eval_outputs", "shift_keys")
 
@@ -73,6 +76,7 @@ class UlyssesModule(torch.nn.Module):
 class SequenceParallelStrategy(DDPStrategy):
     name = "ulysses"
     averages_gradients = True
+    mesh_dimensions: ClassVar[tuple[str, ...]] = ("dp", "sp")
 
     def __init__(self, mesh: DeviceMesh | None = None, *, inner_attn_implementation: str | None = None,
                  pad_token_id: int = 0, ignore_index: int = -100, gather_eval_outputs: bool = True,
@@ -87,6 +91,7 @@ class SequenceParallelStrategy(DDPStrategy):
                             ignore_index=ignore_index, gather_eval_outputs=gather_eval_outputs,
                             shift_keys=tuple(shift_keys))
         self.sp_group: Any = None
+        self._dp_group: Any = None
         self.sp_size = 1
         self.sp_rank = 0
         self.last_shard: ulysses.ShardInfo | None = None
@@ -99,18 +104,31 @@ class SequenceParallelStrategy(DDPStrategy):
         if self.mesh is None:  # default: one SP group over every rank
             self.mesh = DeviceMesh(sp=distributed.world_size())
         Strategy.setup(self, accelerator)
-        _dist.check_mesh(self.name, self.mesh, allowed=("dp", "sp"))
-        if self.mesh.ep > 1:
-            raise ConfigError("strategy 'ulysses' does not implement expert parallelism (mesh.ep)")
+        check_mesh(self.name, self.mesh, self.mesh_dimensions)
         sp, world, rank = self.mesh.sp, distributed.world_size(), distributed.rank()
         self.sp_size, self.sp_rank = sp, rank % sp
-        self.sp_group = None
+        self.sp_group = self._dp_group = None
         if sp > 1:
             for start in range(0, world, sp):  # every rank creates every group, in the same order
                 group = dist.new_group(list(range(start, start + sp)))
                 if start <= rank < start + sp:
                     self.sp_group = group
+        if sp > 1 and self.dp_size > 1:
+            # The ranks that hold the same chunk of different rows: a loss gathering over the data-parallel
+            # ranks (in-batch negatives) must not see one row once per chunk, as it would over the world.
+            for chunk in range(sp):
+                group = dist.new_group(list(range(chunk, world, sp)))
+                if chunk == self.sp_rank:
+                    self._dp_group = group
         ulysses.set_sequence_parallel_group(self.sp_group)
+
+    @property
+    def dp_group(self) -> Any:
+        """The ranks that hold this rank's chunk of other rows (``None``: world; ``sp`` or ``dp`` is 1)."""
+        return self._dp_group
+
+    def loss_context(self) -> LossContext:
+        return dataclasses.replace(super().loss_context(), sp_group=self.sp_group, sp_size=self.sp_size)
 
     # ------------------------------------------------------------------ module
     def _switch_attention(self, module: torch.nn.Module) -> None:

@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from twinkle_core import distributed
-from twinkle_core.errors import ConfigError
+from twinkle_core import capabilities, distributed
 from twinkle_core.mesh import DeviceMesh
 
 logger = logging.getLogger("twinkle.strategies")
@@ -30,17 +29,8 @@ def ensure_process_group(backend: str) -> None:
 
 
 def check_mesh(strategy: str, mesh: DeviceMesh, allowed: Iterable[str]) -> None:
-    """Refuse mesh dimensions that ``strategy`` does not implement (instead of silently ignoring them)."""
-    allowed = set(allowed)
-    extra = {d: getattr(mesh, d) for d in ("dp", "fsdp", "tp", "pp", "cp", "sp", "ep") if d not in allowed
-             and getattr(mesh, d) > 1}
-    if mesh.vpp > 1:
-        extra["vpp"] = mesh.vpp
-    if extra:
-        sizes = ", ".join(f"{k}={v}" for k, v in extra.items())
-        raise ConfigError(f"strategy {strategy!r} implements only the mesh dimension(s) "
-                          f"{', '.join(sorted(allowed))}; this mesh has {sizes}. Choose a strategy that supports "
-                          f"them (megatron for tp/pp/ep, a sequence-parallel strategy for sp/cp) or drop them")
+    """Refuse mesh dimensions that ``strategy`` does not implement (the core's check, kept under its old name)."""
+    capabilities.check_mesh(strategy, mesh, allowed)
 
 
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
@@ -99,27 +89,36 @@ def peft_adapter_names(module: torch.nn.Module) -> list[str]:
 
 
 @contextlib.contextmanager
-def all_adapters_trainable(module: torch.nn.Module) -> Iterator[None]:
-    """Mark every PEFT adapter's weights trainable for the duration of the block.
+def requiring_grad(params: Iterable[torch.nn.Parameter]) -> Iterator[None]:
+    """Mark ``params`` trainable for the duration of the block, then restore their flags.
 
-    PEFT leaves only the active adapter trainable; a wrapper that registers parameters when it is
-    built (DDP) must see every tenant's weights, or the adapters trained later would never be synced.
+    PEFT freezes every adapter but the active one, while wrappers and engines that collect their
+    parameters once (DDP's reducer, DeepSpeed's engine and its per-parameter fp32 APIs) skip frozen ones.
     """
-    from twinkle_backend_hf import adapters
-
-    names = peft_adapter_names(module)
-    params: dict[int, torch.nn.Parameter] = {}
-    if len(names) > 1:
-        wanted = {n for name in names for n in adapters.parameter_names(module, name)}
-        params = {id(p): p for n, p in module.named_parameters() if n in wanted}
-    previous = {k: p.requires_grad for k, p in params.items()}
-    for p in params.values():
+    frozen = [p for p in params if not p.requires_grad]
+    for p in frozen:
         p.requires_grad_(True)
     try:
         yield
     finally:
-        for k, p in params.items():
-            p.requires_grad_(previous[k])
+        for p in frozen:
+            p.requires_grad_(False)
+
+
+def all_adapters_trainable(module: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Every PEFT adapter's weights trainable for the block, when ``module`` holds several.
+
+    A wrapper that registers parameters when it is built (DDP) must see every tenant's weights, or the
+    adapters trained later would never be synced. One adapter (or none) is left as it is: a frozen
+    reference model stays frozen.
+    """
+    from twinkle_backend_hf import adapters
+
+    names = peft_adapter_names(module)
+    if len(names) <= 1:
+        return contextlib.nullcontext()
+    wanted = {n for name in names for n in adapters.parameter_names(module, name)}
+    return requiring_grad(p for n, p in module.named_parameters() if n in wanted)
 
 
 def grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:

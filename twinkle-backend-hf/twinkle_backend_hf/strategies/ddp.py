@@ -19,36 +19,40 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from twinkle_backend_hf.strategies import _dist
+from twinkle_core.capabilities import check_mesh
 from twinkle_core.errors import ConfigError
 from twinkle_core.strategy import Strategy
 
 if TYPE_CHECKING:
     from twinkle_core.accelerator import Accelerator
+    from twinkle_core.precision import Precision
 
 
 class DDPStrategy(Strategy):
     name = "ddp"
     averages_gradients = True
+    mesh_dimensions: ClassVar[tuple[str, ...]] = ("dp",)
 
-    def __init__(self, mesh: Any = None, *, find_unused_parameters: bool | None = None,
-                 broadcast_buffers: bool = True, bucket_cap_mb: float | None = None,
-                 local_accumulation: bool = True, **options: Any) -> None:
+    def __init__(self, mesh: Any = None, *, precision: Precision | None = None,
+                 find_unused_parameters: bool | None = None, broadcast_buffers: bool = True,
+                 bucket_cap_mb: float | None = None, local_accumulation: bool = True, **options: Any) -> None:
         if options:
             raise ConfigError(f"strategy 'ddp' got unknown option(s) {sorted(options)}; known: "
                               f"find_unused_parameters, broadcast_buffers, bucket_cap_mb, local_accumulation")
-        super().__init__(mesh, find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
-                         bucket_cap_mb=bucket_cap_mb, local_accumulation=local_accumulation)
+        super().__init__(mesh, precision=precision, find_unused_parameters=find_unused_parameters,
+                         broadcast_buffers=broadcast_buffers, bucket_cap_mb=bucket_cap_mb,
+                         local_accumulation=local_accumulation)
         self._skip_sync = False
 
     def setup(self, accelerator: Accelerator) -> None:
         _dist.ensure_process_group(accelerator.dist_backend)
         super().setup(accelerator)
-        _dist.check_mesh(self.name, self.mesh, allowed=("dp",))
+        check_mesh(self.name, self.mesh, self.mesh_dimensions)
 
     # ------------------------------------------------------------------ module
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:

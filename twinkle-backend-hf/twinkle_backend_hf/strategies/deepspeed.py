@@ -19,11 +19,14 @@ Twinkle keeps the contract it has with every strategy:
   state dict into the (partitioned) module and into the optimizer's fp32 master weights.
 * **Optimizer state.** ``engine.save_checkpoint`` / ``load_checkpoint`` into ``<state dir>/deepspeed``
   (every rank writes its own partition).
+* **Precision.** The model's precision decides, at ``setup``: ``bf16`` runs DeepSpeed's bf16 mode (bf16
+  weights, fp32 master weights); ``fp16`` is refused (its torch GradScaler cannot see the partitions).
 
 The engine is created lazily, at the first training forward (or step / checkpoint) after
 ``set_optimizer``, so adapters can each get an optimizer first. Several optimizers (one per adapter)
 share one engine through :class:`_OptimizerGroup`, which steps only the optimizer whose ``step`` is
-being taken, so a tenant's update never moves another tenant's weights.
+being taken, so a tenant's update never moves another tenant's weights. Each optimizer's
+:class:`DeepSpeedHandle` knows its parameters and whether its gradients are in the partitions.
 
 On CPU, set nothing: the strategy selects ``DS_ACCELERATOR=cpu`` and the gloo process group. Nothing
 needs compiling with torch optimizers.
@@ -38,18 +41,22 @@ import logging
 import math
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from twinkle_backend_hf.strategies import _dist
 from twinkle_backend_hf.strategies.deepspeed_config import build_config
 from twinkle_core import distributed
+from twinkle_core.capabilities import check_mesh
 from twinkle_core.errors import ConfigError
 from twinkle_core.mesh import DeviceMesh
-from twinkle_core.strategy import Strategy
+from twinkle_core.strategy import OptimizerHandle, Strategy
 
 if TYPE_CHECKING:
     from twinkle_core.accelerator import Accelerator
+    from twinkle_core.precision import Precision
 
 _MISSING = object()
 _CHECKPOINT_SUBDIR = "deepspeed"
@@ -93,20 +100,6 @@ def _skip_cpu_inference_comm_op() -> None:
         return
     if isinstance(table, dict) and "deepspeed_shm_comm" in table:
         table["deepspeed_shm_comm"] = False
-
-
-@contextlib.contextmanager
-def _requiring_grad(params: list[torch.nn.Parameter]) -> Iterator[None]:
-    """Temporarily mark ``params`` trainable. DeepSpeed's per-parameter APIs (and its engine setup) skip
-    parameters that do not require grad, and PEFT freezes every adapter but the active one."""
-    frozen = [p for p in params if not p.requires_grad]
-    for p in frozen:
-        p.requires_grad_(True)
-    try:
-        yield
-    finally:
-        for p in frozen:
-            p.requires_grad_(False)
 
 
 # ====================================================================== optimizer multiplexing
@@ -206,6 +199,16 @@ class _OptimizerGroup(torch.optim.Optimizer):
 
 
 # ====================================================================== the wrapped module
+@dataclass(eq=False)
+class DeepSpeedHandle(OptimizerHandle):
+    """One optimizer on the shared engine. ``parameters`` are its model parameters (DeepSpeed replaces the
+    optimizer's own with flat fp32 partitions); ``gradients`` says where its gradients stand between two
+    steps: ``None``, ``"accumulating"`` (non-boundary backwards only) or ``"reduced"`` (a boundary backward
+    has reduced them into the partitions)."""
+
+    gradients: str | None = None
+
+
 class DeepSpeedModule(torch.nn.Module):
     """What the model runs: the network until an engine exists, the DeepSpeed engine afterwards."""
 
@@ -213,32 +216,31 @@ class DeepSpeedModule(torch.nn.Module):
         super().__init__()
         self.module = module
         object.__setattr__(self, "_strategy", strategy)
-        object.__setattr__(self, "engine", None)
-        #: (optimizer, accumulation steps, its model parameters) in set_optimizer order; DeepSpeed
-        #: replaces the parameters in the optimizer's groups with its flat fp32 partitions
-        object.__setattr__(self, "optimizers", [])
-        object.__setattr__(self, "optimizer_group", None)
+        object.__setattr__(self, "engine", None)  # not a registered submodule
+        #: every optimizer's handle, in set_optimizer order: the engine serves them all
+        self.handles: list[DeepSpeedHandle] = []
+        self.optimizer_group: _OptimizerGroup | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.optimizers and self.training and torch.is_grad_enabled():
-            bf16 = self._strategy._precision_bf16()  # also refuses fp16 autocast
-            if self.engine is None:
-                self._strategy._create_engine(self, bf16=bf16)
+        if self.engine is None and self.handles and self.training and torch.is_grad_enabled():
+            self._strategy._create_engine(self)
         runner = self.engine if self.engine is not None else self.module
         return runner(*args, **kwargs)
 
-    def owned_parameters(self, optimizer: torch.optim.Optimizer | None = None) -> list[torch.nn.Parameter]:
-        """The model parameters of ``optimizer`` (default: of every registered optimizer)."""
-        return [p for o, _, params in self.optimizers if optimizer is None or o is optimizer for p in params]
+    def owned_parameters(self) -> list[torch.nn.Parameter]:
+        """The model parameters of every registered optimizer."""
+        return [p for handle in self.handles for p in handle.parameters]
 
 
 # ====================================================================== the strategy
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     averages_gradients = True  # ZeRO's reduce-scatter / all-reduce averages over the data-parallel ranks
+    mesh_dimensions: ClassVar[tuple[str, ...]] = ("dp", "fsdp")  # ZeRO shards over all dp * fsdp ranks
 
-    def __init__(self, mesh: DeviceMesh | None = None, *, stage: int = 2, offload_optimizer: bool = False,
-                 offload_param: bool = False, config: dict[str, Any] | None = None, **unknown: Any) -> None:
+    def __init__(self, mesh: DeviceMesh | None = None, *, precision: Precision | None = None, stage: int = 2,
+                 offload_optimizer: bool = False, offload_param: bool = False,
+                 config: dict[str, Any] | None = None, **unknown: Any) -> None:
         if unknown:
             raise ConfigError(f"strategy 'deepspeed' got unknown option(s) {sorted(unknown)}; known: stage, "
                               f"offload_optimizer, offload_param, config")
@@ -249,18 +251,19 @@ class DeepSpeedStrategy(Strategy):
         if config is not None and not isinstance(config, dict):
             raise ConfigError(f"strategy_options.config must be a dict (a DeepSpeed config), "
                               f"got {type(config).__name__}")
-        super().__init__(mesh, stage=stage, offload_optimizer=bool(offload_optimizer),
+        super().__init__(mesh, precision=precision, stage=stage, offload_optimizer=bool(offload_optimizer),
                          offload_param=bool(offload_param), config=dict(config or {}))
         self.stage = stage
         self.offload_optimizer = bool(offload_optimizer)
         self.offload_param = bool(offload_param)
         self.user_config = dict(config or {})
+        #: DeepSpeed's bf16 mode (bf16 weights, fp32 master weights); decided from the precision in setup
+        self.bf16 = False
         self._in_no_sync = False
-        #: per engine id: ("accumulating" | "reduced", the optimizer the gradients belong to)
-        self._pending: dict[int, tuple[str, torch.optim.Optimizer]] = {}
 
     # ------------------------------------------------------------------ process group
     def setup(self, accelerator: Accelerator) -> None:
+        self.bf16 = self._engine_bf16()  # refuses fp16 before the process group is joined
         self.deepspeed = _import_deepspeed(accelerator.name)
         import torch.distributed as dist
 
@@ -270,13 +273,19 @@ class DeepSpeedStrategy(Strategy):
             dist.init_process_group(accelerator.dist_backend, store=dist.HashStore(), rank=0, world_size=1)
             for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
                 os.environ.setdefault(key, value)  # DeepSpeed's engine checks LOCAL_RANK
-        if self.mesh.model_parallel_size != 1 or self.mesh.ep != 1:
-            raise ConfigError(f"strategy 'deepspeed' is data parallel only (ZeRO shards over dp*fsdp ranks); the "
-                              f"mesh {self.mesh.to_dict()} asks for model parallelism; use strategy 'megatron' "
-                              f"for tp/pp/cp/ep, or drop those dimensions")
+        check_mesh(self.name, self.mesh, self.mesh_dimensions)
         if accelerator.name == "cpu":
             _skip_cpu_inference_comm_op()
         self.deepspeed.init_distributed(dist_backend=accelerator.dist_backend, auto_mpi_discovery=False)
+
+    def _engine_bf16(self) -> bool:
+        """bf16 autocast means DeepSpeed's bf16 mode; fp16 is refused (DeepSpeed owns the loss scaling). A
+        ``bf16`` section of the user config has the last word, as it has in the generated config."""
+        autocast_dtype = self.precision.autocast_dtype if self.precision is not None else None
+        if autocast_dtype == "float16":
+            raise ConfigError(_FP16_UNSUPPORTED)
+        configured = (self.user_config.get("bf16") or {}).get("enabled")
+        return bool(autocast_dtype == "bfloat16" if configured is None else configured)
 
     # ------------------------------------------------------------------ module
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -295,94 +304,71 @@ class DeepSpeedStrategy(Strategy):
             self._in_no_sync = previous
 
     def prepare_optimizer(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                          gradient_accumulation_steps: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+                          parameters: list[torch.nn.Parameter],
+                          gradient_accumulation_steps: int = 1) -> tuple[torch.nn.Module, DeepSpeedHandle]:
         wrapped = self._wrapper(module)
         if wrapped.engine is not None:
             raise ConfigError("strategy 'deepspeed' builds one engine for all optimizers at the first training "
                               "step; call set_optimizer for every adapter before the first forward_backward")
-        if any(optimizer is known for known, _, _ in wrapped.optimizers):
+        if any(optimizer is known.optimizer for known in wrapped.handles):
             raise ConfigError("this optimizer is already set on the model")
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        wrapped.optimizers.append((optimizer, int(gradient_accumulation_steps), params))
-        return wrapped, optimizer
+        handle = DeepSpeedHandle(optimizer, list(parameters), int(gradient_accumulation_steps))
+        wrapped.handles.append(handle)
+        return wrapped, handle
 
     def _wrapper(self, module: torch.nn.Module) -> DeepSpeedModule:
         if not isinstance(module, DeepSpeedModule):
             raise ConfigError("strategy 'deepspeed' was handed a module it did not wrap")
         return module
 
-    def _precision_bf16(self) -> bool:
-        # The model enters its precision's autocast around the forward that creates the engine: bf16
-        # autocast means precision 'bf16' (fp16 autocast is refused: DeepSpeed owns loss scaling).
-        device = self.accelerator.device().type if self.accelerator is not None else "cpu"
-        if not torch.is_autocast_enabled(device):
-            return False
-        dtype = torch.get_autocast_dtype(device)
-        if dtype == torch.float16:
-            raise ConfigError(_FP16_UNSUPPORTED)
-        return dtype == torch.bfloat16
-
-    def _create_engine(self, wrapped: DeepSpeedModule, *, bf16: bool | None = None) -> Any:
-        """Build the engine for every registered optimizer. ``bf16=None``: follow the model's precision."""
+    def _create_engine(self, wrapped: DeepSpeedModule) -> Any:
+        """Build the one engine for every registered optimizer."""
         if wrapped.engine is not None:
             return wrapped.engine
-        if not wrapped.optimizers:
+        if not wrapped.handles:
             raise ConfigError("strategy 'deepspeed' needs an optimizer: call set_optimizer(...) first")
         module = wrapped.module
         if any(p.grad is not None for p in module.parameters()):
             raise ConfigError("strategy 'deepspeed': gradients were computed before set_optimizer(); call "
                               "set_optimizer before the first forward_backward")
-        optimizers = [o for o, _, _ in wrapped.optimizers]
-        steps = {s for _, s, _ in wrapped.optimizers}
+        optimizers = [handle.optimizer for handle in wrapped.handles]
+        steps = {handle.gradient_accumulation_steps for handle in wrapped.handles}
         config = build_config(stage=self.stage, offload_optimizer=self.offload_optimizer,
                               offload_param=self.offload_param,
                               gradient_accumulation_steps=steps.pop() if len(steps) == 1 else 1,
-                              bf16=self._precision_bf16() if bf16 is None else bf16, user_config=self.user_config)
-        self.bf16 = bool((config.get("bf16") or {}).get("enabled"))
+                              bf16=self.bf16, user_config=self.user_config)
         group = optimizers[0] if len(optimizers) == 1 else _OptimizerGroup(optimizers)
         # DeepSpeed takes the parameters that require grad *now*; adapters that are not active
-        # (PEFT freezes them) must be included too, so every optimizer's parameters require grad here.
-        with _requiring_grad(wrapped.owned_parameters()):
+        # (PEFT freezes them) must be included too.
+        with _dist.requiring_grad(wrapped.owned_parameters()):
             engine, _, _, _ = self.deepspeed.initialize(model=module, optimizer=group, config=config,
                                                         dist_init_required=False)
         object.__setattr__(wrapped, "engine", engine)
-        object.__setattr__(wrapped, "optimizer_group", group if isinstance(group, _OptimizerGroup) else None)
+        wrapped.optimizer_group = group if isinstance(group, _OptimizerGroup) else None
         engine.train(wrapped.training)
         return engine
 
     def _engine(self, module: torch.nn.Module, *, create: bool = False) -> Any:
         if not isinstance(module, DeepSpeedModule):
             return None
-        if module.engine is None and create and module.optimizers:
+        if module.engine is None and create and module.handles:
             self._create_engine(module)
         return module.engine
 
     # ------------------------------------------------------------------ gradients
-    # Per engine, between two steps: which registered optimizer the gradients belong to, and whether a
-    # boundary backward has reduced them into the partitions yet ("reduced") or not ("accumulating").
-    def _gradients(self, engine: Any) -> tuple[str | None, torch.optim.Optimizer | None]:
-        return self._pending.get(id(engine), (None, None))
-
-    def _trained_optimizer(self, wrapped: DeepSpeedModule) -> torch.optim.Optimizer:
-        """The registered optimizer whose parameters take gradients now (PEFT trains the active adapter)."""
-        for optimizer, _, params in wrapped.optimizers:
-            if any(p.requires_grad for p in params):
-                return optimizer
-        return wrapped.optimizers[0][0]
-
-    def backward(self, loss: torch.Tensor, module: torch.nn.Module) -> None:
+    def backward(self, loss: torch.Tensor, module: torch.nn.Module, handle: OptimizerHandle | None) -> None:
         engine = self._engine(module)
         if engine is None:
             loss.backward()
             return
-        wrapped = self._wrapper(module)
-        status, owner = self._gradients(engine)
-        trained = self._trained_optimizer(wrapped)
-        if owner is not None and owner is not trained:
+        if handle is None:
+            raise ConfigError("strategy 'deepspeed' back-propagates into an optimizer's gradient partitions: call "
+                              "set_optimizer for this adapter (or the model) before its backward")
+        if any(other.gradients for other in self._wrapper(module).handles if other is not handle):
             raise ConfigError("strategy 'deepspeed' holds one set of partitioned gradients for all adapters: "
                               "finish one adapter's optimizer step (clip_grad_and_step) before back-propagating "
                               "another adapter's loss")
-        reduced = status == "reduced"
+        reduced = handle.gradients == "reduced"
         # Once a boundary backward has reduced the gradients, any further backward before the step must
         # be a boundary too (its gradients have to reach the same partitions).
         boundary = reduced or not self._in_no_sync
@@ -390,8 +376,8 @@ class DeepSpeedStrategy(Strategy):
         if reduced and self.stage < 3:
             # ZeRO-1/2 rebuild the partitioned gradients from this backward alone at a second boundary;
             # keep the first boundary's and add them back (ZeRO-3 accumulates by itself).
-            owned = wrapped.owned_parameters()
-            carried = [(p, g.detach().clone()) for p, g in self._grad_pieces(engine, owned, tolerant=True)]
+            carried = [(p, g.detach().clone())
+                       for p, g in self._grad_pieces(engine, handle.parameters, tolerant=True)]
         engine.set_gradient_accumulation_boundary(boundary)
         # scale_wrt_gas=False: the loss is a token sum; Twinkle divides by the global token count.
         engine.backward(loss, scale_wrt_gas=False)
@@ -400,7 +386,7 @@ class DeepSpeedStrategy(Strategy):
             for p, previous in carried:
                 if id(p) in now:
                     now[id(p)].add_(previous.to(now[id(p)].device, now[id(p)].dtype))
-        self._pending[id(engine)] = ("reduced" if boundary else "accumulating", trained)
+        handle.gradients = "reduced" if boundary else "accumulating"
 
     def _grad_pieces(self, engine: Any, parameters: list[torch.nn.Parameter], *,
                      tolerant: bool = False) -> list[tuple[Any, torch.Tensor]]:
@@ -446,35 +432,31 @@ class DeepSpeedStrategy(Strategy):
         for _, grad in pieces:
             grad.mul_(factor)
 
-    def _reduced_for(self, engine: Any, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` has reduced gradients waiting in the partitions."""
-        status, owner = self._gradients(engine)
-        if owner is not optimizer:
-            return False
-        if status == "accumulating":
+    @staticmethod
+    def _has_reduced_gradients(handle: DeepSpeedHandle) -> bool:
+        """Whether ``handle``'s optimizer has reduced gradients waiting in the partitions."""
+        if handle.gradients == "accumulating":
             raise ConfigError("strategy 'deepspeed': the optimizer step came before the last micro-batch of the "
                               "gradient accumulation window (gradient_accumulation_steps), so DeepSpeed has not "
                               "reduced the gradients; step after the last micro-batch (clip_grad_and_step does)")
-        return status == "reduced"
+        return handle.gradients == "reduced"
 
-    def scale_gradients(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        parameters: list[torch.nn.Parameter], factor: float) -> None:
+    def scale_gradients(self, module: torch.nn.Module, handle: OptimizerHandle, factor: float) -> None:
         engine = self._engine(module, create=True)
         if engine is None:
-            return super().scale_gradients(module, optimizer, parameters, factor)
-        if self._reduced_for(engine, optimizer):
-            self._multiply(self._grad_pieces(engine, parameters), factor)
+            return super().scale_gradients(module, handle, factor)
+        if self._has_reduced_gradients(handle):
+            self._multiply(self._grad_pieces(engine, handle.parameters), factor)
 
-    def clip_grad_norm(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                       parameters: list[torch.nn.Parameter], max_norm: float,
+    def clip_grad_norm(self, module: torch.nn.Module, handle: OptimizerHandle, max_norm: float,
                        norm_type: float = 2.0) -> torch.Tensor:
         engine = self._engine(module, create=True)
         if engine is None:
-            return super().clip_grad_norm(module, optimizer, parameters, max_norm, norm_type)
-        if not self._reduced_for(engine, optimizer):
+            return super().clip_grad_norm(module, handle, max_norm, norm_type)
+        if not self._has_reduced_gradients(handle):
             return torch.zeros((), dtype=torch.float64)  # no gradients, like torch's clip_grad_norm_
         device = self.accelerator.device() if self.accelerator is not None else torch.device("cpu")
-        pieces = self._grad_pieces(engine, parameters)
+        pieces = self._grad_pieces(engine, handle.parameters)
         norm_type = float(norm_type)
         if math.isinf(norm_type):
             local = max((float(g.detach().abs().max()) for _, g in pieces if g.numel()), default=0.0)
@@ -493,45 +475,37 @@ class DeepSpeedStrategy(Strategy):
                 self._multiply(pieces, coefficient)
         return total
 
-    def optimizer_step(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, precision: Any) -> bool:
+    def optimizer_step(self, module: torch.nn.Module, handle: OptimizerHandle) -> bool:
         engine = self._engine(module, create=True)
         if engine is None:
-            return super().optimizer_step(module, optimizer, precision)
-        if getattr(precision, "name", "") == "fp16":
-            raise ConfigError(_FP16_UNSUPPORTED)
-        if not self._reduced_for(engine, optimizer):
+            return super().optimizer_step(module, handle)
+        if not self._has_reduced_gradients(handle):
             return True  # this optimizer has no gradients since its last step: like torch, a no-op
-        wrapped = self._wrapper(module)
-        if wrapped.optimizer_group is not None:
-            wrapped.optimizer_group.active = optimizer
+        group = self._wrapper(module).optimizer_group
+        if group is not None:
+            group.active = handle.optimizer
         try:
             engine.set_gradient_accumulation_boundary(True)
             engine.step()
         finally:
-            if wrapped.optimizer_group is not None:
-                wrapped.optimizer_group.active = None
-            self._pending.pop(id(engine), None)
+            if group is not None:
+                group.active = None
+            handle.gradients = None
         return bool(engine.was_step_applied())
 
-    def zero_grad(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                  parameters: list[torch.nn.Parameter]) -> None:
+    def zero_grad(self, module: torch.nn.Module, handle: OptimizerHandle) -> None:
         engine = self._engine(module)
-        if engine is None:
-            return super().zero_grad(module, optimizer, parameters)
-        status, owner = self._gradients(engine)
-        if status is not None and (optimizer is None or owner is optimizer):
-            self._discard_gradients(module, engine, reduced=status == "reduced")
-        for p in parameters:
-            p.grad = None
+        if engine is not None and handle.gradients is not None:
+            self._discard_gradients(self._wrapper(module), engine, handle)
+        super().zero_grad(module, handle)
 
-    def _discard_gradients(self, module: torch.nn.Module, engine: Any, *, reduced: bool) -> None:
+    def _discard_gradients(self, wrapped: DeepSpeedModule, engine: Any, handle: DeepSpeedHandle) -> None:
         """Drop gradients that will not be stepped (a skipped non-finite step, ``zero_grad`` without ``step``)."""
         try:
-            if reduced:
+            if handle.gradients == "reduced":
                 # Let DeepSpeed's step bookkeeping release the reduced gradients, with the torch optimizer's
                 # update switched off, so no weight and no optimizer state moves.
-                wrapped = self._wrapper(module)
-                target = wrapped.optimizer_group if wrapped.optimizer_group is not None else wrapped.optimizers[0][0]
+                target = wrapped.optimizer_group if wrapped.optimizer_group is not None else handle.optimizer
                 previous = target.__dict__.get("step", _MISSING)
                 target.step = lambda *args, **kwargs: None  # an instance attribute shadows the method
                 try:
@@ -557,7 +531,7 @@ class DeepSpeedStrategy(Strategy):
                 if hasattr(zero, "micro_step_id"):
                     zero.micro_step_id = -1  # DeepSpeed's INITIAL_MICRO_STEP_ID: the next backward starts afresh
         finally:
-            self._pending.pop(id(engine), None)
+            handle.gradients = None
 
     # ------------------------------------------------------------------ checkpoints
     def _gathered(self, params: list[torch.nn.Parameter], modifier_rank: int | None = None) -> Any:
@@ -581,11 +555,11 @@ class DeepSpeedStrategy(Strategy):
                 with self._gathered(params):
                     for p in params:
                         full[id(p)] = p.detach().to("cpu", copy=True)
-        if getattr(self, "bf16", False):
+        if self.bf16:
             from deepspeed.utils import safe_get_full_fp32_param
 
             owned = [p for p in self._wrapper(module).owned_parameters() if only is None or id(p) in only]
-            with _requiring_grad(owned):
+            with _dist.requiring_grad(owned):
                 for p in owned:
                     master = safe_get_full_fp32_param(p)
                     if master is not None:
@@ -643,21 +617,20 @@ class DeepSpeedStrategy(Strategy):
         owned = {id(p) for p in self._wrapper(module).owned_parameters()}
         device = self.accelerator.device() if self.accelerator is not None else torch.device("cpu")
         targets = [(p, value) for pairs in pairs_by_module for p, value in pairs if id(p) in owned]
-        with _requiring_grad([p for p, _ in targets]):
+        with _dist.requiring_grad([p for p, _ in targets]):
             for p, value in targets:
                 safe_set_full_fp32_param(p, value.to(device, torch.float32))
 
     def _checkpoint_layout(self, module: torch.nn.Module) -> dict[str, Any]:
         wrapped = self._wrapper(module)
-        return {"stage": self.stage, "dp_size": self.dp_size, "bf16": bool(getattr(self, "bf16", False)),
-                "optimizers": len(wrapped.optimizers),
-                "parameters": [len(params) for _, _, params in wrapped.optimizers]}
+        return {"stage": self.stage, "dp_size": self.dp_size, "bf16": self.bf16,
+                "optimizers": len(wrapped.handles), "parameters": [len(h.parameters) for h in wrapped.handles]}
 
-    def save_optimizer_state(self, directory: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def save_optimizer_state(self, directory: str, module: torch.nn.Module, handle: OptimizerHandle) -> None:
         """``engine.save_checkpoint`` into ``directory/deepspeed`` (each rank writes its partitions)."""
         engine = self._engine(module, create=True)
         if engine is None:
-            return super().save_optimizer_state(directory, module, optimizer)
+            return super().save_optimizer_state(directory, module, handle)
         path = os.path.join(directory, _CHECKPOINT_SUBDIR)
         # Twinkle exports the weights itself, so DeepSpeed's module copy holds only what trains.
         engine.save_checkpoint(path, tag=_CHECKPOINT_TAG, client_state={}, save_latest=False,
@@ -667,14 +640,14 @@ class DeepSpeedStrategy(Strategy):
                 json.dump(self._checkpoint_layout(module), fh, indent=2)
         self.barrier()
 
-    def load_optimizer_state(self, directory: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def load_optimizer_state(self, directory: str, module: torch.nn.Module, handle: OptimizerHandle) -> None:
         """``engine.load_checkpoint``: the optimizer state and fp32 master weights of this optimizer's partitions.
 
         The weights themselves were loaded already (``load``). When several optimizers (adapters) share the
-        engine, only ``optimizer`` is restored: the others' weights and optimizer states are kept as they are.
+        engine, only ``handle``'s is restored: the others' weights and optimizer states are kept as they are.
         """
-        if not isinstance(module, DeepSpeedModule) or not module.optimizers:
-            return super().load_optimizer_state(directory, module, optimizer)
+        if not isinstance(module, DeepSpeedModule):
+            return super().load_optimizer_state(directory, module, handle)
         path = os.path.join(directory, _CHECKPOINT_SUBDIR)
         if not os.path.isdir(os.path.join(path, _CHECKPOINT_TAG)):
             raise FileNotFoundError(f"{directory} holds no DeepSpeed optimizer state ({path}/{_CHECKPOINT_TAG}); "
@@ -683,14 +656,13 @@ class DeepSpeedStrategy(Strategy):
         if os.path.isfile(os.path.join(path, _LAYOUT_FILE)):
             with open(os.path.join(path, _LAYOUT_FILE)) as fh:
                 layout = json.load(fh)
-        # an engine created here (a fresh model resuming) takes the checkpoint's precision
-        engine = self._create_engine(module, bf16=None if layout is None else bool(layout.get("bf16")))
         if layout is not None and layout != self._checkpoint_layout(module):
             raise ConfigError(f"the DeepSpeed optimizer state in {path} was saved with {layout}, but this model has "
-                              f"{self._checkpoint_layout(module)}; resume with the same ZeRO stage, number of "
-                              f"ranks and optimizers (set_optimizer for the same adapters, in the same order)")
-        wrapped = self._wrapper(module)
-        kept = self._snapshot_others(module, engine, optimizer) if wrapped.optimizer_group is not None else None
+                              f"{self._checkpoint_layout(module)}; resume with the same ZeRO stage, precision, "
+                              f"number of ranks and optimizers (set_optimizer for the same adapters, in the same "
+                              f"order)")
+        engine = self._create_engine(module)
+        kept = self._snapshot_others(module, engine, handle) if module.optimizer_group is not None else None
         loaded, _ = engine.load_checkpoint(path, tag=_CHECKPOINT_TAG, load_module_strict=False,
                                            load_optimizer_states=True, load_lr_scheduler_states=False,
                                            custom_load_fn=_keep_module_weights)
@@ -715,18 +687,18 @@ class DeepSpeedStrategy(Strategy):
                 wrapped.optimizer_group._refresh_groups()
             zero._clear_fp32_optimizer_param_groups()
 
-    def _snapshot_others(self, module: torch.nn.Module, engine: Any, optimizer: torch.optim.Optimizer) -> Any:
+    def _snapshot_others(self, module: torch.nn.Module, engine: Any, handle: OptimizerHandle) -> Any:
         import copy
 
         wrapped = self._wrapper(module)
-        others = [o for o, _, _ in wrapped.optimizers if o is not optimizer]
-        params = [p for o in others for p in wrapped.owned_parameters(o)]
+        others = [other for other in wrapped.handles if other is not handle]
+        params = [p for other in others for p in other.parameters]
         names = {id(p): name for name, p in self.unwrap_module(module).named_parameters()}
         full = self._full_parameters(module, only={id(p) for p in params})
         weights = {names[id(p)]: full[id(p)] if id(p) in full else p.detach().to("cpu", copy=True)
                    for p in params if id(p) in names}
         with self._groups_populated(engine, wrapped):
-            states = [(o, copy.deepcopy(o.state_dict())) for o in others]
+            states = [(o.optimizer, copy.deepcopy(o.optimizer.state_dict())) for o in others]
         return weights, states
 
     def _restore_others(self, module: torch.nn.Module, engine: Any, kept: Any) -> None:
@@ -739,11 +711,8 @@ class DeepSpeedStrategy(Strategy):
         self.load_state_dict(module, weights, strict=False)
 
     def describe(self) -> dict[str, Any]:
-        described = {**super().describe(),
-                     "deepspeed_version": getattr(getattr(self, "deepspeed", None), "__version__", None)}
-        if hasattr(self, "bf16"):  # known once the engine exists
-            described["bf16"] = self.bf16
-        return described
+        return {**super().describe(), "bf16": self.bf16,
+                "deepspeed_version": getattr(getattr(self, "deepspeed", None), "__version__", None)}
 
 
 def _keep_module_weights(src: Any = None, dst: Any = None) -> None:

@@ -33,12 +33,14 @@ import torch
 
 from twinkle_backend_hf.strategies import _dist
 from twinkle_core import distributed
+from twinkle_core.capabilities import check_mesh
 from twinkle_core.errors import ConfigError
 from twinkle_core.mesh import DeviceMesh
-from twinkle_core.strategy import Strategy
+from twinkle_core.strategy import OptimizerHandle, Strategy
 
 if TYPE_CHECKING:
     from twinkle_core.accelerator import Accelerator
+    from twinkle_core.precision import Precision
 
 OPTIMIZER_DIR = "optimizer_dcp"
 
@@ -52,15 +54,15 @@ def _is_fsdp(module: torch.nn.Module) -> bool:
 class NativeFSDPStrategy(Strategy):
     name = "native_fsdp"
     averages_gradients = True
-    #: mesh dimensions this strategy implements (subclasses that add e.g. sequence parallelism extend it)
     mesh_dimensions: ClassVar[tuple[str, ...]] = ("dp", "fsdp")
 
-    def __init__(self, mesh: DeviceMesh | None = None, *, reshard_after_forward: bool = True,
-                 mixed_precision: Any = None, full_state_dict_on_all_ranks: bool = True, **options: Any) -> None:
+    def __init__(self, mesh: DeviceMesh | None = None, *, precision: Precision | None = None,
+                 reshard_after_forward: bool = True, mixed_precision: Any = None,
+                 full_state_dict_on_all_ranks: bool = True, **options: Any) -> None:
         if options:
             raise ConfigError(f"strategy {self.name!r} got unknown option(s) {sorted(options)}; known: "
                               f"reshard_after_forward, mixed_precision, full_state_dict_on_all_ranks")
-        super().__init__(mesh, reshard_after_forward=reshard_after_forward, mixed_precision=mixed_precision,
+        super().__init__(mesh, precision=precision, reshard_after_forward=reshard_after_forward, mixed_precision=mixed_precision,
                          full_state_dict_on_all_ranks=full_state_dict_on_all_ranks)
         self._device_mesh: Any = None
 
@@ -70,7 +72,7 @@ class NativeFSDPStrategy(Strategy):
         if self.mesh is None:
             self.mesh = DeviceMesh(fsdp=distributed.world_size())
         super().setup(accelerator)
-        _dist.check_mesh(self.name, self.mesh, allowed=self.mesh_dimensions)
+        check_mesh(self.name, self.mesh, self.mesh_dimensions)
 
     def shard_mesh(self) -> Any:
         """The torch ``DeviceMesh`` that ``fully_shard`` uses (1-D FSDP or 2-D HSDP)."""
@@ -130,19 +132,17 @@ class NativeFSDPStrategy(Strategy):
             module.set_requires_gradient_sync(True)
 
     # ------------------------------------------------------------------ gradients
-    def scale_gradients(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                        parameters: list[torch.nn.Parameter], factor: float) -> None:
-        grads = [p.grad for p in parameters if p.grad is not None]
+    def scale_gradients(self, module: torch.nn.Module, handle: OptimizerHandle, factor: float) -> None:
+        grads = [p.grad for p in handle.parameters if p.grad is not None]
         if grads and factor != 1.0:
             with torch.no_grad():
                 for g in grads:  # DTensor.mul_ scales the local shard
                     g.mul_(factor)
 
-    def clip_grad_norm(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                       parameters: list[torch.nn.Parameter], max_norm: float,
+    def clip_grad_norm(self, module: torch.nn.Module, handle: OptimizerHandle, max_norm: float,
                        norm_type: float = 2.0) -> torch.Tensor:
         """Clip in place; return the global pre-clip norm (reduced over every shard) as a plain tensor."""
-        grads = [p.grad for p in parameters if p.grad is not None]
+        grads = [p.grad for p in handle.parameters if p.grad is not None]
         total = _dist.grad_norm(grads, norm_type)
         coefficient = float(max_norm) / (float(total) + 1e-6)
         if grads and coefficient < 1.0:  # False for an infinite limit and for a NaN norm (the step is skipped)
@@ -183,16 +183,16 @@ class NativeFSDPStrategy(Strategy):
         set_model_state_dict(module, state_dict, options=StateDictOptions(full_state_dict=True, strict=False))
 
     # ------------------------------------------------------------------ optimizer
-    def save_optimizer_state(self, directory: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def save_optimizer_state(self, directory: str, module: torch.nn.Module, handle: OptimizerHandle) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if not _is_fsdp(module):
-            return super().save_optimizer_state(directory, module, optimizer)
-        state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
+            return super().save_optimizer_state(directory, module, handle)
+        state = {"optimizer": get_optimizer_state_dict(module, handle.optimizer)}
         dcp.save(state, checkpoint_id=os.path.join(directory, OPTIMIZER_DIR))
 
-    def load_optimizer_state(self, directory: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def load_optimizer_state(self, directory: str, module: torch.nn.Module, handle: OptimizerHandle) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
@@ -201,8 +201,8 @@ class NativeFSDPStrategy(Strategy):
             if not os.path.isdir(path) and _is_fsdp(module):
                 raise FileNotFoundError(f"{directory} holds no {OPTIMIZER_DIR}/: was the checkpoint written by a "
                                         f"different strategy than {self.name!r}?")
-            return super().load_optimizer_state(directory, module, optimizer)
+            return super().load_optimizer_state(directory, module, handle)
         # the template: DCP loads in place into tensors of the right shapes and shardings
-        state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
+        state = {"optimizer": get_optimizer_state_dict(module, handle.optimizer)}
         dcp.load(state, checkpoint_id=path)
-        set_optimizer_state_dict(module, optimizer, state["optimizer"])
+        set_optimizer_state_dict(module, handle.optimizer, state["optimizer"])
