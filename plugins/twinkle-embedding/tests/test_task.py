@@ -17,7 +17,6 @@ from embedding_helpers import (
     minilm_tokenizer,
     tiny_tokenizer,
 )
-from twinkle_embedding.head import EmbeddingHead, attach
 from twinkle_embedding.metrics import retrieval_metrics
 from twinkle_embedding.task import EmbeddingTask
 
@@ -113,43 +112,73 @@ def test_training_loop_logs_retrieval_metrics_and_saves_a_sentence_transformers_
 
 
 class _LogitsOnlyModel:
-    """A stand-in for a backend whose network returns logits only (MegatronModel today)."""
+    """A stand-in for a backend whose network returns logits only (MegatronModel today); like
+    TorchTwinkleModel, it hands every forward's outputs to its task."""
 
     strategy = None
 
-    def _run_module(self, module, inputs):
-        return {"logits": torch.zeros(2, 3, 5)}
+    def __init__(self, task):
+        self.task = task
 
-    def _export(self, directory, state_dict, adapter_name):
-        pass
+    def _run_module(self, module, inputs):
+        return self.task.process_outputs({"logits": torch.zeros(2, 3, 5)}, inputs)
 
 
 def test_backends_without_hidden_states_get_a_clear_error():
-    model = _LogitsOnlyModel()
-    attach(model, EmbeddingHead("mean", True), lambda *a: None)
+    task = EmbeddingTask(pooling="mean", normalize=True)
+    model = _LogitsOnlyModel(task)
+    task.prepare_model(model)
     with pytest.raises(ConfigError, match="final token states"):
         model._run_module(None, {"attention_mask": torch.ones(2, 3)})
 
 
-def test_attach_wraps_forward_when_a_model_has_no_run_module_hook():
+def test_the_task_serves_any_model_that_calls_its_hooks(monkeypatch):
+    import twinkle_embedding.task as task_module
+
     exported = []
+    monkeypatch.setattr(task_module, "write_sentence_transformers_config",
+                        lambda directory, **config: exported.append(directory))
 
     class Plain:
+        """Not a TorchTwinkleModel, but honours the task contract: process_outputs on every forward,
+        on_export after every save."""
+
+        def __init__(self, task):
+            self.task = task
+
+        @property
+        def embedding_head(self):  # the head serving this model's forwards
+            return self.task.head
+
         def forward(self, *, inputs, **kwargs):
-            return {"last_hidden_state": torch.ones(2, 3, 4) * torch.arange(3).view(1, 3, 1)}
+            outputs = {"last_hidden_state": torch.ones(2, 3, 4) * torch.arange(3).view(1, 3, 1)}
+            return self.task.process_outputs(outputs, inputs)
 
         def forward_only(self, *, inputs, **kwargs):
             return self.forward(inputs=inputs)
 
         def save(self, name, **kwargs):
-            return f"/x/{name}"
+            path = f"/x/{name}"
+            self.task.on_export(self, path, kwargs.get("adapter_name"))
+            return path
 
-    model = Plain()
-    attach(model, EmbeddingHead("last_token", False), lambda m, d, a: exported.append(d))
+    task = EmbeddingTask(pooling="last_token", normalize=False)
+    model = Plain(task)
+    task.prepare_model(model)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     out = model.forward_only(inputs={"attention_mask": mask})
     assert out["embeddings"][:, 0].tolist() == [1.0, 2.0]
     model.save("final", output_dir="/x")
     assert exported == ["/x/final"]
-    attach(model, EmbeddingHead("mean", False), lambda *a: None)  # re-attaching replaces the head only
+    task.pooling = "mean"
+    task.prepare_model(model)  # preparing again replaces the head
     assert model.embedding_head.pooling == "mean"
+
+
+def test_a_model_built_without_the_task_is_refused():
+    task = EmbeddingTask(pooling="mean")
+    model = make_model(EmbeddingTask(pooling="mean"), config=TINY_BERT, tokenizer=minilm_tokenizer(), prepare=False)
+    with pytest.raises(ConfigError, match="pass task="):
+        task.prepare_model(model)
+    with pytest.raises(ConfigError, match="prepare_model"):
+        model.task.encode(model, ["a"], tokenizer=minilm_tokenizer())

@@ -21,8 +21,10 @@ Masking (candidates removed from ``Z_i``; the positive itself never is):
 * ``mask_duplicates: true`` removes candidates whose text equals the positive's (or, among
   queries, the query's): a passage shared by two queries is not a negative for either.
 
-Data parallelism: the embeddings of every rank are all-gathered (``gather: true``, default) with
-the gradient flowing back to each rank's own rows, so every query sees the global batch. The loss is
+Data parallelism: the embeddings of every rank of the data-parallel group (``context.dp_group``, the
+:class:`~twinkle_core.loss.base.LossContext` the model passes to every loss call) are all-gathered
+(``gather: true``, default) with the gradient flowing back to each rank's own rows, so every query
+sees the global batch; without a context the loss sees this rank's batch only. The loss is
 the *sum* over this rank's queries and ``num_tokens`` is their number, so the model's normalisation
 by the global ``num_tokens`` yields the mean over all queries of the global batch.
 
@@ -39,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from twinkle_core.errors import ConfigError
-from twinkle_core.loss.base import Loss, LossOutput
+from twinkle_core.loss.base import Loss, LossContext, LossOutput
 from twinkle_embedding.data import ROLE_POSITIVE, ROLE_QUERY
 
 _NEG_INF = float("-inf")
@@ -77,28 +79,27 @@ class InfoNCELoss(Loss):
                 f"mask_duplicates={self.mask_duplicates}, gather={self.gather})")
 
     # ------------------------------------------------------------------ data parallel
-    def _group(self, outputs: dict[str, Any]) -> tuple[bool, Any]:
-        """``(gather?, process group)``: gather over the model's data-parallel group when it has > 1 rank."""
+    def _group(self, context: LossContext | None) -> tuple[bool, Any]:
+        """``(gather?, process group)``: gather over the data-parallel group when it has > 1 rank."""
+        if not self.gather or context is None or context.dp_size <= 1:
+            return False, None
         import torch.distributed as dist
 
-        if not self.gather or not (dist.is_available() and dist.is_initialized()):
-            return False, None
-        group = outputs.get("dp_group")
-        size = outputs.get("dp_size")
-        if size is None:
-            size = dist.get_world_size(group)
-        if int(size) <= 1:
-            return False, None
-        if dist.get_world_size(group) != int(size):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(f"infonce: the loss context reports dp_size={context.dp_size} but torch.distributed "
+                              f"is not initialised; cannot gather the batch")
+        group = context.dp_group  # None: the whole world
+        if dist.get_world_size(group) != context.dp_size:
             raise ConfigError(f"infonce: the data-parallel group has {dist.get_world_size(group)} ranks but the "
-                              f"model reports dp_size={size}; cannot gather the batch")
+                              f"loss context reports dp_size={context.dp_size}; cannot gather the batch")
         return True, group
 
     # ------------------------------------------------------------------ loss
-    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> LossOutput:
+    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
+                 context: LossContext | None = None) -> LossOutput:
         if "embeddings" not in outputs:
-            raise ConfigError("infonce needs outputs['embeddings']: train with task: embedding (its prepare_model "
-                              f"adds the pooling); the model returned {sorted(outputs)}")
+            raise ConfigError("infonce needs outputs['embeddings']: train with task: embedding (its process_outputs "
+                              f"pools them); the model returned {sorted(outputs)}")
         for key in ("embedding_role", "embedding_owner"):
             if key not in inputs:
                 raise ConfigError(f"infonce needs inputs['{key}']: build batches with the embedding task's collate")
@@ -113,14 +114,14 @@ class InfoNCELoss(Loss):
             raise ValueError(f"infonce: {emb.shape[0]} embeddings for {role.shape[0]} batch rows")
 
         num_local_queries = int((role == ROLE_QUERY).sum())
-        gather, group = self._group(outputs)
+        gather, group = self._group(context)
         if gather:
             import torch.distributed as dist
 
             from twinkle_embedding._dist import all_gather_rows, gather_sizes
 
             sizes = gather_sizes(emb.shape[0], emb.device, group)
-            rank = dist.get_rank(group)
+            rank = dist.get_rank(group)  # the position of this rank's rows in the gather
             meta = torch.stack([role, owner, hashes], dim=1)
             emb_all = all_gather_rows(emb, sizes, group)
             meta_all = all_gather_rows(meta, sizes, group)

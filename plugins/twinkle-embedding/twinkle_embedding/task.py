@@ -35,7 +35,7 @@ from typing import Any
 from twinkle_core.errors import ConfigError, DataFormatError
 from twinkle_core.task import Task
 from twinkle_embedding.data import EmbeddingFeature, RowError, collate_embedding, read_rows, validate_row
-from twinkle_embedding.head import EmbeddingHead, attach
+from twinkle_embedding.head import EmbeddingHead
 from twinkle_embedding.pooling import canonical_pooling
 from twinkle_embedding.st_format import (
     SentenceTransformersConfig,
@@ -129,6 +129,7 @@ class EmbeddingTask(Task):
         self.pooling: str | None = None if self.pooling_option == "auto" else self.pooling_option
         self.normalize: bool | None = None if self.normalize_option == "auto" else bool(self.normalize_option)
         self.st_config: SentenceTransformersConfig | None = None
+        self.head: EmbeddingHead | None = None  # built by prepare_model, applied by process_outputs
 
     # ------------------------------------------------------------------ sentence-transformers directories
     def _adopt(self, config: SentenceTransformersConfig | None) -> None:
@@ -228,10 +229,20 @@ class EmbeddingTask(Task):
             return "last_token"
         return "mean"
 
+    def _require_built_with_this_task(self, model: Any) -> None:
+        # The model reaches the task only through its own ``task`` (process_outputs on every forward,
+        # on_export on every save): a model built without it would return no embeddings.
+        if getattr(model, "task", None) is not self:
+            raise ConfigError(f"the embedding task works through the model's task hooks, but {type(model).__name__} "
+                              f"was built with task={getattr(model, 'task', None)!r}; pass task=<this EmbeddingTask> "
+                              f"when constructing the model (twinkle train does)")
+
     def prepare_model(self, model: Any) -> None:
-        """Attach pooling (and normalisation) to ``model`` and make its saves sentence-transformers directories."""
+        """Choose the pooling and normalisation (from the model directory's sentence-transformers config when
+        it has one) and freeze the parts of the network the embedding does not use."""
         import torch
 
+        self._require_built_with_this_task(model)
         config = read_sentence_transformers_config(_directory_of(model))
         if config is not None:
             self._adopt(config)
@@ -249,7 +260,7 @@ class EmbeddingTask(Task):
                     parameter.requires_grad_(False)
             if self.model_kind == "causal_lm" and getattr(network, "config", None) is not None:
                 network.config.output_hidden_states = True
-        attach(model, EmbeddingHead(self.pooling, self.normalize), self._write_sentence_transformers_files)
+        self.head = EmbeddingHead(self.pooling, self.normalize)
         logger.info("embedding task: pooling=%s normalize=%s max_length=%s", self.pooling, self.normalize,
                     self.max_length)
 
@@ -272,9 +283,16 @@ class EmbeddingTask(Task):
             prompts["document"] = self.document_prefix
         return prompts
 
-    def _write_sentence_transformers_files(self, model: Any, directory: str, adapter_name: str | None) -> None:
-        head = getattr(model, "embedding_head", None)
-        dimension = head.dimension if head is not None else None
+    def process_outputs(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+        """Pool (and normalise) the network's token states into ``{"embeddings": [batch, dim]}``."""
+        if self.head is None:
+            raise ConfigError("the embedding task has no pooling yet: call task.prepare_model(model) once the model "
+                              "is built (twinkle train does)")
+        return self.head(outputs, inputs)
+
+    def on_export(self, model: Any, directory: str, adapter_name: str | None) -> None:
+        """Make the model directory just written a sentence-transformers directory."""
+        dimension = self.head.dimension if self.head is not None else None
         config = getattr(_network(model), "config", None)
         if dimension is None:
             dimension = getattr(config, "hidden_size", None) or getattr(config, "d_model", None)
@@ -292,7 +310,8 @@ class EmbeddingTask(Task):
         """Embeddings ``[len(texts), dim]`` (float32, CPU) of already formatted texts, through ``model.forward_only``."""
         import torch
 
-        if getattr(model, "embedding_head", None) is None:
+        self._require_built_with_this_task(model)
+        if self.head is None:
             raise ConfigError("encode needs a model prepared by the embedding task (task.prepare_model(model))")
         tokenizer = tokenizer or self.tokenizer or getattr(model, "tokenizer", None)
         if self.tokenizer is None:

@@ -23,6 +23,8 @@ from embedding_helpers import ROWS, TINY_BERT, make_model, minilm_tokenizer  # n
 from twinkle_embedding.loss import InfoNCELoss  # noqa: E402
 from twinkle_embedding.task import EmbeddingTask  # noqa: E402
 
+from twinkle_core.loss.base import LossContext  # noqa: E402
+
 LOSS_CONFIGS = [
     {},
     {"query_to_query": True, "doc_to_query": True, "doc_to_doc": True},
@@ -68,8 +70,9 @@ def main() -> None:
     for config in LOSS_CONFIGS:
         leaf = emb.clone().requires_grad_(True)
         out = InfoNCELoss(temperature=0.07, **config)(
-            {"embeddings": leaf, "dp_size": 2, "dp_group": None},
-            {"embedding_role": role, "embedding_owner": owner, "embedding_hash": hashes})
+            {"embeddings": leaf},
+            {"embedding_role": role, "embedding_owner": owner, "embedding_hash": hashes},
+            context=LossContext(dp_group=None, dp_size=2, dp_rank=rank))
         out.loss.backward()
         results["loss"].append({"loss": float(out.loss), "num_tokens": out.num_tokens, "grad": leaf.grad.clone()})
 
