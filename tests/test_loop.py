@@ -21,8 +21,10 @@ import pytest
 
 from twinkle_core import ModelRecord, TaskRecord, hookimpl
 from twinkle_core.errors import ConfigError, PluginNotFoundError
+from twinkle_core.model.base import TwinkleModel
 from twinkle_core.plugins import reset_plugins
 from twinkle_core.task import Task
+from twinkle_core.testing.conformance import ModelContract
 
 FAKES = "twinkle_test_loop_fakes"
 sys.modules.setdefault(FAKES, sys.modules[__name__])  # a stable import name for the records below
@@ -57,7 +59,7 @@ class FakeTask(Task):
     def collate(self, features: list[float]) -> dict[str, Any]:
         import torch
 
-        return {"x": torch.tensor(features, dtype=torch.float64), "attention_mask": torch.ones(len(features))}
+        return {"labels": torch.tensor(features, dtype=torch.float64), "attention_mask": torch.ones(len(features))}
 
     def prepare_model(self, model: Any) -> None:
         model.calls.append(("prepare_model", type(self).__name__))
@@ -71,36 +73,98 @@ class Stop(Exception):
     pass
 
 
-class FakeModel:
-    """Implements the parts of the TwinkleModel API the loop uses, and records every call."""
+class FakeModel(TwinkleModel):
+    """A TwinkleModel with one float64 weight ``w`` that predicts every label; records every call.
+
+    It fits ``w`` to the batch's ``labels`` (the numbers of the data file, or the conformance suite's
+    token ids) by squared error, with the real optimizer and scheduler it is given, so every loss is a
+    deterministic function of the data order and the steps taken. Simplifications: the objective is
+    squared error whatever ``set_loss`` names (it records the choice), adapters are names sharing
+    ``w``, there is one data-parallel rank, ``w`` starts at 0 whatever the seed, and the only metric
+    is the loss.
+    """
 
     instances: list[FakeModel] = []
+    #: added to the loss metric by every loss of a ``forward_only`` output, so that a test sees
+    #: evaluation leaking into the training metrics (the loop must reset them after evaluating)
+    EVAL_SENTINEL = 1e6
 
     def __init__(self, **kwargs: Any) -> None:
+        import torch
+
         self.kwargs = kwargs
         self.fail_at = kwargs.get("fail_at")
-        self.w = 0.0
-        self.steps = 0
-        self.micro = 0
-        self.lr = None
-        self.grad = self.tokens = 0.0
+        self.weight = torch.nn.Parameter(torch.zeros((), dtype=torch.float64))
+        self.adapters: list[str] = []
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self.specs: dict[str, dict[str, Any] | None] = {"loss": None, "optimizer": None, "lr_scheduler": None}
+        self.gradient_accumulation_steps = 1
+        self.steps = self.micro = self.accumulated_calls = 0
+        self.pending_tokens = 0.0  # tokens of the gradients accumulated and not yet divided by their count
         self.metric_loss = self.metric_tokens = 0.0
+        self.last_inputs: Any = None
+        self.last_outputs: Any = None
+        self.last_loss: Any = None
         self.calls: list[tuple] = []
         FakeModel.instances.append(self)
+
+    @property
+    def w(self) -> float:
+        return float(self.weight.detach())
+
+    @classmethod
+    def load_tokenizer(cls, path: str, *, trust_remote_code: bool = False) -> FakeTokenizer:
+        return FakeTokenizer(path, trust_remote_code)
+
+    def _check_adapter(self, adapter_name: str | None) -> None:
+        if adapter_name is not None and adapter_name not in self.adapters:
+            raise ConfigError(f"no adapter named {adapter_name!r}; adapters: {self.adapters}")
+
+    def _require_optimizer(self, action: str) -> None:
+        if self.optimizer is None:
+            raise ConfigError(f"{action} needs set_optimizer first")
+
+    def _lr(self) -> float | None:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else None
 
     # configuration
     def add_adapter_to_model(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
         self.calls.append(("add_adapter_to_model", adapter_name, config))
+        if not adapter_name or adapter_name in self.adapters:
+            raise ConfigError(f"adapter name {adapter_name!r} is empty or already in use")
+        self.adapters.append(adapter_name)
 
     def set_loss(self, loss: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
         self.calls.append(("set_loss", loss, adapter_name, kwargs))
+        self._check_adapter(adapter_name)
+        self.specs["loss"] = {"name": loss if isinstance(loss, str) else getattr(loss, "name", "") or repr(loss),
+                              **kwargs}
 
-    def set_optimizer(self, optimizer: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
-        self.lr = kwargs["lr"]
+    def set_optimizer(self, optimizer: Any, *, adapter_name: str | None = None, gradient_accumulation_steps: int = 1,
+                      **kwargs: Any) -> None:
+        from twinkle_core.optim import build_optimizer
+
         self.calls.append(("set_optimizer", optimizer, adapter_name, kwargs))
+        self._check_adapter(adapter_name)
+        self.optimizer = build_optimizer(optimizer, [self.weight], **kwargs)
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.specs["optimizer"] = {"name": optimizer if isinstance(optimizer, str) else type(self.optimizer).__name__,
+                                   **kwargs}
 
     def set_lr_scheduler(self, scheduler: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        from twinkle_core.optim import build_scheduler
+
         self.calls.append(("set_lr_scheduler", scheduler, adapter_name, kwargs))
+        self._check_adapter(adapter_name)
+        self._require_optimizer("set_lr_scheduler")
+        self.scheduler = build_scheduler(scheduler, self.optimizer, **kwargs)
+        self.specs["lr_scheduler"] = {"name": scheduler if isinstance(scheduler, str) else type(self.scheduler).__name__,
+                                      **kwargs}
+
+    def trainable_parameters(self, *, adapter_name: str | None = None) -> list[Any]:
+        self._check_adapter(adapter_name)
+        return [self.weight]
 
     # compute
     def _maybe_fail(self) -> None:
@@ -113,81 +177,194 @@ class FakeModel:
                 os.kill(os.getpid(), signal.SIGTERM)
             raise Stop(f"injected failure at step {spec['step']}")
 
-    def forward_backward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kw: Any) -> dict:
-        self.calls.append(("forward_backward", adapter_name))
-        self._maybe_fail()
-        xs = inputs["x"].tolist()
-        loss_sum = sum((self.w - x) ** 2 for x in xs)
-        self.grad += sum(2 * (self.w - x) for x in xs)
-        self.tokens += len(xs)
-        self.metric_loss += loss_sum
-        self.metric_tokens += len(xs)
-        self.micro += 1
-        return {"loss": loss_sum / len(xs), "num_tokens": len(xs)}
-
-    def clip_grad_and_step(self, max_grad_norm: float | None = 1.0, norm_type: float = 2.0, *,
-                           adapter_name: str | None = None) -> float:
-        self.calls.append(("clip_grad_and_step", adapter_name, max_grad_norm))
-        g = self.grad / self.tokens
-        norm = abs(g)
-        if max_grad_norm is not None and norm > max_grad_norm:
-            g *= max_grad_norm / norm
-        self.w -= self.lr * g
-        self.steps += 1
-        self.micro = 0
-        self.grad = self.tokens = 0.0
-        return norm
-
-    def calculate_metric(self, *, adapter_name: str | None = None, reset: bool = True) -> dict[str, float]:
-        self.calls.append(("calculate_metric", adapter_name))
-        loss = self.metric_loss / self.metric_tokens if self.metric_tokens else float("nan")
-        if reset:
-            self.metric_loss = self.metric_tokens = 0.0
-        return {"loss": loss, "lr": self.lr}
+    def forward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kw: Any) -> dict:
+        self._check_adapter(adapter_name)
+        self.last_inputs = inputs
+        self.last_outputs = {"logits": self.weight.expand(inputs["labels"].shape)}
+        return self.last_outputs
 
     def forward_only(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kw: Any) -> dict:
         self.calls.append(("forward_only", adapter_name))
-        return {"prediction": self.w}
+        self._check_adapter(adapter_name)
+        return {"logits": self.weight.detach().expand(inputs["labels"].shape)}
 
     def calculate_loss(self, *, inputs: dict | None = None, outputs: dict | None = None,
                        adapter_name: str | None = None, **kw: Any) -> Any:
+        import torch
+
         from twinkle_core.loss.base import LossOutput
 
-        xs = inputs["x"].tolist()
-        self.metric_loss += 1e6  # evaluation must not leak into the training metrics
-        self.metric_tokens += 1
-        return LossOutput(loss=sum((outputs["prediction"] - x) ** 2 for x in xs), num_tokens=len(xs))
+        self._check_adapter(adapter_name)
+        inputs = self.last_inputs if inputs is None else inputs
+        outputs = self.last_outputs if outputs is None else outputs
+        if inputs is None or outputs is None:
+            raise ConfigError("calculate_loss needs outputs: call forward first or pass outputs=")
+        labels = inputs["labels"].to(torch.float64)
+        loss = LossOutput(loss=((outputs["logits"] - labels) ** 2).sum(), num_tokens=labels.numel())
+        evaluating = not outputs["logits"].requires_grad
+        self.metric_loss += float(loss.loss.detach()) + (self.EVAL_SENTINEL if evaluating else 0.0)
+        self.metric_tokens += loss.num_tokens
+        self.last_loss = loss
+        return loss
+
+    def backward(self, *, loss: Any = None, adapter_name: str | None = None, **kwargs: Any) -> None:
+        self._check_adapter(adapter_name)
+        loss = self.last_loss if loss is None else loss
+        if loss is None:
+            raise ConfigError("backward needs a loss: call calculate_loss first or pass loss=")
+        loss.loss.backward()
+        self.pending_tokens += float(loss.num_tokens)
+
+    def forward_backward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kw: Any) -> dict:
+        self.calls.append(("forward_backward", adapter_name))
+        self._maybe_fail()
+        outputs = self.forward(inputs=inputs, adapter_name=adapter_name)
+        loss = self.calculate_loss(adapter_name=adapter_name)
+        self.backward(loss=loss, adapter_name=adapter_name)
+        self.micro += 1
+        return {**outputs, "loss": loss.mean.detach(), "num_tokens": loss.num_tokens}
+
+    # optimisation
+    def _normalise_gradients(self) -> None:
+        if self.pending_tokens:
+            self.weight.grad /= self.pending_tokens
+            self.pending_tokens = 0.0
+
+    def clip_grad_norm(self, max_grad_norm: float | None = 1.0, norm_type: float = 2.0, *,
+                       adapter_name: str | None = None) -> float:
+        import torch
+
+        self._check_adapter(adapter_name)
+        self._normalise_gradients()
+        limit = math.inf if max_grad_norm is None else max_grad_norm
+        return float(torch.nn.utils.clip_grad_norm_([self.weight], limit, norm_type))
+
+    def step(self, *, adapter_name: str | None = None) -> None:
+        self._check_adapter(adapter_name)
+        self._require_optimizer("step")
+        self._normalise_gradients()
+        self.optimizer.step()
+        self.steps += 1
+        self.micro = 0
+
+    def zero_grad(self, *, adapter_name: str | None = None) -> None:
+        self._check_adapter(adapter_name)
+        self.weight.grad = None
+        self.pending_tokens = 0.0
+        self.accumulated_calls = 0
+
+    def lr_step(self, *, adapter_name: str | None = None) -> None:
+        self._check_adapter(adapter_name)
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def clip_grad_and_step(self, max_grad_norm: float | None = 1.0, norm_type: float = 2.0, *,
+                           adapter_name: str | None = None) -> float | None:
+        self.calls.append(("clip_grad_and_step", adapter_name, max_grad_norm))
+        self.accumulated_calls += 1
+        if self.accumulated_calls < self.gradient_accumulation_steps:
+            return None
+        norm = self.clip_grad_norm(max_grad_norm, norm_type, adapter_name=adapter_name)
+        self.step(adapter_name=adapter_name)
+        self.zero_grad(adapter_name=adapter_name)
+        self.lr_step(adapter_name=adapter_name)
+        return norm
+
+    # metrics and configs
+    def add_metric(self, metric: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        raise ConfigError(f"FakeModel reports only the loss; it cannot add the metric {metric!r}")
+
+    def calculate_metric(self, *, adapter_name: str | None = None, reset: bool = True) -> dict[str, float]:
+        self.calls.append(("calculate_metric", adapter_name))
+        self._check_adapter(adapter_name)
+        tokens = self.metric_tokens
+        result = {"loss": self.metric_loss / tokens if tokens else float("nan"), "tokens": tokens}
+        if self.optimizer is not None:
+            result["lr"] = self._lr()
+        if reset:
+            self.metric_loss = self.metric_tokens = 0.0
+        return result
+
+    def get_train_configs(self, *, adapter_name: str | None = None) -> dict:
+        self._check_adapter(adapter_name)
+        return {"class": type(self).__name__, "adapter_name": adapter_name, "adapters": list(self.adapters),
+                "strategy": {"name": self.kwargs.get("strategy", "single")},
+                "precision": self.kwargs.get("precision", "no"), **self.specs, "lr": self._lr(),
+                "gradient_accumulation_steps": self.gradient_accumulation_steps, "dp_rank": 0, "dp_size": 1,
+                "trainable_parameters": self.weight.numel(), "step": self.steps}
 
     # state
+    def get_state_dict(self, *, adapter_name: str | None = None) -> dict[str, Any]:
+        self._check_adapter(adapter_name)
+        return {"w": self.weight.detach().clone()}
+
     def save(self, name: str, *, output_dir: str, adapter_name: str | None = None, save_optimizer: bool = True,
              extra_state: dict | None = None) -> str:
+        import torch
+
         self.calls.append(("save", name, adapter_name))
+        self._check_adapter(adapter_name)
         path = Path(output_dir) / name
         path.mkdir(parents=True, exist_ok=True)
         (path / "state.json").write_text(json.dumps({"w": self.w, "steps": self.steps, "save_optimizer": save_optimizer,
                                                      "extra_state": extra_state}))
+        if save_optimizer and self.optimizer is not None:
+            torch.save({"optimizer": self.optimizer.state_dict(),
+                        "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None},
+                       path / "training_state.pt")
         return str(path)
 
+    def load(self, path: str, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        import torch
+
+        self._check_adapter(adapter_name)
+        with torch.no_grad():
+            self.weight.fill_(json.loads((Path(path) / "state.json").read_text())["w"])
+
     def resume_from_checkpoint(self, path: str, *, adapter_name: str | None = None) -> dict:
+        import torch
+
         self.calls.append(("resume_from_checkpoint", path, adapter_name))
+        self._require_optimizer("resume_from_checkpoint")
+        self.load(path, adapter_name=adapter_name)
+        training = torch.load(Path(path) / "training_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(training["optimizer"])
+        if self.scheduler is not None and training["scheduler"] is not None:
+            self.scheduler.load_state_dict(training["scheduler"])
         state = json.loads((Path(path) / "state.json").read_text())
-        self.w, self.steps = state["w"], state["steps"]
+        self.steps = state["steps"]
         return state["extra_state"]
 
-    def get_train_configs(self, *, adapter_name: str | None = None) -> dict:
-        return {"lr": self.lr}
+
+class TestFakeModelConformance:
+    """The conformance tests a one-weight model can pass: the others need vocabulary logits (forward,
+    cross-entropy, accuracy), more than one weight (memorising token ids), a seed-dependent
+    initialisation (save/load round trip) or adapters with their own weights."""
+
+    @pytest.fixture
+    def twinkle_factory(self):
+        return FakeModel
+
+    test_forward_only_matches_forward_without_grad = ModelContract.test_forward_only_matches_forward_without_grad
+    test_step_by_step_equals_forward_backward = ModelContract.test_step_by_step_equals_forward_backward
+    test_clip_grad_norm_returns_true_norm_and_clips = ModelContract.test_clip_grad_norm_returns_true_norm_and_clips
+    test_max_grad_norm_changes_the_update = ModelContract.test_max_grad_norm_changes_the_update
+    test_optimizer_by_name_class_and_instance = ModelContract.test_optimizer_by_name_class_and_instance
+    test_scheduler_by_name_class_and_instance = ModelContract.test_scheduler_by_name_class_and_instance
+    test_train_configs_describe_the_run = ModelContract.test_train_configs_describe_the_run
+    test_train_configs_follow_the_schema = ModelContract.test_train_configs_follow_the_schema
+    test_gradient_accumulation_is_exact = ModelContract.test_gradient_accumulation_is_exact
+    test_resume_continues_exactly = ModelContract.test_resume_continues_exactly
+    test_unknown_adapter_is_a_clear_error = ModelContract.test_unknown_adapter_is_a_clear_error
 
 
 # ---------------------------------------------------------------------- helpers
 @pytest.fixture(autouse=True)
 def registry(monkeypatch):
-    from twinkle_core.train import loop
-
     monkeypatch.setenv("TWINKLE_DISABLE_PLUGIN_AUTOLOAD", "1")
     monkeypatch.setenv("TWINKLE_PLUGINS", FAKES)
     monkeypatch.setenv("TWINKLE_NO_PROGRESS", "1")
     monkeypatch.delenv("TWINKLE_TRUST_REMOTE_CODE", raising=False)
-    monkeypatch.setattr(loop, "load_tokenizer", FakeTokenizer)
     FakeModel.instances.clear()
     reset_plugins()
     yield
@@ -212,6 +389,7 @@ def make_recipe(tmp_path: Path, n: int = 10, out: str = "out", **sections: Any) 
         "model": {"class_name": "LoopFakeModel", "model_id": str(model_dir)},
         "data": {"train": str(data), "batch_size": 2},
         "optimizer": {"lr": 0.1},
+        "lr_scheduler": {"name": "constant"},  # the fake follows the schedule; the logs expect a fixed lr
         "train": {"output_dir": str(tmp_path / out), "max_grad_norm": None},
     }
     return merge(base, sections)
@@ -450,20 +628,9 @@ def test_accumulation_larger_than_the_data_is_an_error(tmp_path):
         run(make_recipe(tmp_path, n=4, train={"gradient_accumulation_steps": 4}))
 
 
-def test_checkpoint_helpers(tmp_path):
-    from twinkle_core.train.loop import latest_checkpoint, list_checkpoints, prune_checkpoints
-
-    for name in ("checkpoint-2", "checkpoint-10", "checkpoint-10-interrupted", "checkpoint-3-interrupted",
-                 "checkpoint-12-interrupted", "final", "checkpoint-x"):
-        (tmp_path / name).mkdir()
-    assert [(s, i) for s, i, _ in list_checkpoints(tmp_path)] == [(2, False), (3, True), (10, True), (10, False),
-                                                                  (12, True)]
-    assert latest_checkpoint(tmp_path).name == "checkpoint-12-interrupted"
-    removed = prune_checkpoints(tmp_path, 1)
-    assert sorted(p.name for p in removed) == ["checkpoint-10-interrupted", "checkpoint-2", "checkpoint-3-interrupted"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-12-interrupted",
-                                                          "checkpoint-x", "final"]
-    assert prune_checkpoints(tmp_path, None) == []
+def test_tokenizers_are_loaded_by_the_model_class(tmp_path):
+    with pytest.raises(ConfigError, match="FakeModel cannot load a tokenizer"):
+        super(FakeModel, FakeModel).load_tokenizer(str(tmp_path))  # TwinkleModel's default
 
 
 def test_nan_loss_is_logged_as_null(tmp_path):

@@ -1,8 +1,12 @@
-"""Checkpoint directories that are complete or absent, and RNG state capture.
+"""Checkpoint directories that are complete or absent, the run's checkpoint policy, and RNG state capture.
 
 A checkpoint is written into ``.NAME.incomplete`` beside its final place and renamed once every
 rank has finished, so a crash mid-save never leaves a directory that looks complete. The marker
 file ``twinkle_checkpoint.json`` is written last.
+
+A training run keeps its checkpoints in its output directory as ``checkpoint-N`` (after optimizer
+step N) and ``checkpoint-N-interrupted`` (saved when training stopped early); see
+:func:`checkpoint_name`, :func:`list_checkpoints`, :func:`latest_checkpoint` and :func:`prune_checkpoints`.
 """
 
 from __future__ import annotations
@@ -10,15 +14,18 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from twinkle_core import distributed
 
 MARKER = "twinkle_checkpoint.json"
 STATE_DIR = "twinkle_state"
+_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)(-interrupted)?$")
 
 
 @contextmanager
@@ -49,6 +56,51 @@ def atomic_directory(final_path: str, *, is_main: bool, metadata: dict[str, Any]
 
 def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MARKER))
+
+
+def checkpoint_name(step: int, *, interrupted: bool = False) -> str:
+    """The directory name of the checkpoint after optimizer step ``step``."""
+    return f"checkpoint-{step}-interrupted" if interrupted else f"checkpoint-{step}"
+
+
+def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[tuple[int, bool, Path]]:
+    """``(step, interrupted, path)`` of every checkpoint under ``output_dir``, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _CHECKPOINT_NAME.match(child.name)
+        if match:
+            found.append((int(match.group(1)), bool(match.group(2)), child))
+    # at equal steps the regular checkpoint counts as newer than an interrupted one
+    return sorted(found, key=lambda item: (item[0], not item[1]))
+
+
+def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
+    checkpoints = list_checkpoints(output_dir)
+    return checkpoints[-1][2] if checkpoints else None
+
+
+def prune_checkpoints(output_dir: str | os.PathLike[str], limit: int | None) -> list[Path]:
+    """Keep the newest ``limit`` ``checkpoint-N`` directories; interrupted ones older than the
+    newest kept checkpoint are superseded and go too. Returns what was removed."""
+    if not limit:
+        return []
+    checkpoints = list_checkpoints(output_dir)
+    regular = [c for c in checkpoints if not c[1]]
+    doomed = regular[:-limit] if len(regular) > limit else []
+    if regular:
+        newest = regular[-1][0]
+        doomed += [c for c in checkpoints if c[1] and c[0] <= newest]
+    removed = []
+    for _, _, path in doomed:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -201,6 +201,83 @@ class ModelContract:
         assert cfg["lr_scheduler"]["name"] == "constant"
         assert cfg["step"] == 0 and cfg["dp_size"] >= 1
 
+    def test_train_configs_follow_the_schema(self, twinkle_factory):
+        from twinkle_core.model.train_configs import check_train_configs
+
+        model = twinkle_factory(seed=0)
+        fresh = model.get_train_configs()
+        assert check_train_configs(fresh) == []
+        assert fresh["optimizer"] is None and fresh["lr"] is None
+        model.set_optimizer("SGD", lr=0.1)
+        model.set_lr_scheduler("linear", num_training_steps=4)
+        configured = model.get_train_configs()
+        assert check_train_configs(configured) == []
+        assert configured["lr"] == configured["optimizer"]["lr"] == 0.1
+        model.forward_backward(inputs=local_rows(model, make_batch(14)))
+        model.clip_grad_and_step()
+        stepped = model.get_train_configs()
+        assert check_train_configs(stepped) == []
+        assert stepped["step"] == 1
+        assert stepped["lr"] == pytest.approx(0.1 * 3 / 4, rel=1e-6), "lr must follow the scheduler"
+        assert stepped["lr"] == model.calculate_metric()["lr"]
+
+    # ------------------------------------------------------------------ task and loss seams
+    def test_task_hooks_and_loss_context_are_honoured(self, twinkle_factory, twinkle_shared_dir):
+        """Every forward goes through ``task.process_outputs``; a save calls ``task.on_export`` once, on the
+        main process; every loss call receives the strategy's ``LossContext``."""
+        from twinkle_core import distributed
+        from twinkle_core.loss.base import Loss, LossContext, LossOutput
+        from twinkle_core.task import Task
+
+        class HeadTask(Task):
+            name = "conformance_head"
+
+            def __init__(self):
+                super().__init__()
+                self.forwards, self.exports = 0, []
+
+            def load_dataset(self, path, tokenizer, **data_options):
+                return []
+
+            def collate(self, features):
+                return {}
+
+            def process_outputs(self, outputs, inputs):
+                self.forwards += 1
+                return {**outputs, "head": outputs["logits"][..., 0]}
+
+            def on_export(self, model, directory, adapter_name):
+                self.exports.append(adapter_name)
+                with open(os.path.join(directory, "head.txt"), "w") as f:
+                    f.write("head")
+
+        class HeadLoss(Loss):
+            def __init__(self):
+                self.contexts = []
+
+            def __call__(self, outputs, inputs, context=None):
+                self.contexts.append(context)
+                return LossOutput(loss=outputs["head"].float().pow(2).sum(), num_tokens=outputs["head"].numel())
+
+        task, loss = HeadTask(), HeadLoss()
+        model = twinkle_factory(seed=0, task=task)
+        model.set_loss(loss)
+        model.set_optimizer("SGD", lr=0.1)
+        batch = local_rows(model, make_batch(15))
+        assert "head" in model.forward_backward(inputs=batch)
+        assert "head" in model.forward_only(inputs=batch)
+        assert task.forwards >= 2
+        assert loss.contexts and all(isinstance(c, LossContext) for c in loss.contexts)
+        context = loss.contexts[0]
+        assert context.dp_size == model.get_train_configs()["dp_size"]
+        assert context.dp_rank == model.get_train_configs()["dp_rank"]
+        path = model.save("task-seams", output_dir=str(twinkle_shared_dir))
+        if distributed.is_main_process():
+            assert task.exports == [None]
+            assert os.path.exists(os.path.join(path, "head.txt"))
+        else:
+            assert task.exports == []
+
     # ------------------------------------------------------------------ accumulation
     def test_gradient_accumulation_is_exact(self, twinkle_factory):
         batch = make_batch(8, rows=8)

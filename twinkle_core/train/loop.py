@@ -1,7 +1,8 @@
 """The training loop behind ``twinkle train``: ``train(recipe) -> summary``.
 
-What it builds, in order: the plugin registry, the task (``task_options``), the tokenizer, the
-datasets (``task.load_dataset``), the model, the loss, optimizer and scheduler, and the data loader.
+What it builds, in order: the plugin registry, the task (``task_options``), the tokenizer (the model
+class's ``load_tokenizer``), the datasets (``task.load_dataset``), the model, the loss, optimizer and
+scheduler, and the data loader.
 Then, for every optimizer step, ``gradient_accumulation_steps`` micro-batches go through
 ``model.forward_backward`` and one ``model.clip_grad_and_step`` applies them. It logs to
 ``output_dir/logs.jsonl`` (and TensorBoard when installed), evaluates every ``eval_every`` steps
@@ -36,8 +37,8 @@ torchrun). Right after construction, before any adapter is added, the loop calls
 ``task.prepare_model(model)`` (backends do not call it themselves). Models
 that know their data-parallel coordinates with model parallelism expose them as
 ``model.strategy.dp_rank`` / ``model.strategy.dp_size``; otherwise every rank of the process
-group is a data-parallel rank. The learning rate is read from ``calculate_metric()["lr"]`` or
-``get_train_configs()`` (``lr``, or ``optimizer.lr``) for the logs.
+group is a data-parallel rank. The logs read the learning rate from ``get_train_configs()["lr"]`` (see
+:mod:`twinkle_core.model.train_configs`).
 
 With ``model.adapter`` set, the loop calls ``add_adapter_to_model("default", adapter)`` and passes
 ``adapter_name="default"`` to every later call.
@@ -49,8 +50,6 @@ import logging
 import math
 import os
 import random
-import re
-import shutil
 import signal
 import threading
 import time
@@ -58,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from twinkle_core import distributed
+from twinkle_core.checkpoint import checkpoint_name, latest_checkpoint, prune_checkpoints
 from twinkle_core.errors import ConfigError
 from twinkle_core.train.logging import TrainLogger
 from twinkle_core.train.progress import progress_bar, progress_enabled
@@ -72,16 +72,9 @@ from twinkle_core.train.recipe import (
 logger = logging.getLogger("twinkle.train")
 
 ADAPTER_NAME = "default"
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)(-interrupted)?$")
 
 
 # ---------------------------------------------------------------------- small helpers (patchable in tests)
-def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-
-
 def dataloader_class() -> Any:
     from twinkle_core.data.loader import DataLoader
 
@@ -99,46 +92,6 @@ def seed_everything(seed: int) -> None:
     import torch
 
     torch.manual_seed(seed)
-
-
-def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[tuple[int, bool, Path]]:
-    """``(step, interrupted, path)`` of every checkpoint under ``output_dir``, oldest first."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _CHECKPOINT.match(child.name)
-        if match:
-            found.append((int(match.group(1)), bool(match.group(2)), child))
-    # at equal steps the regular checkpoint counts as newer than an interrupted one
-    return sorted(found, key=lambda item: (item[0], not item[1]))
-
-
-def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
-    checkpoints = list_checkpoints(output_dir)
-    return checkpoints[-1][2] if checkpoints else None
-
-
-def prune_checkpoints(output_dir: str | os.PathLike[str], limit: int | None) -> list[Path]:
-    """Keep the newest ``limit`` ``checkpoint-N`` directories; interrupted ones older than the
-    newest kept checkpoint are superseded and go too. Returns what was removed."""
-    if not limit:
-        return []
-    checkpoints = list_checkpoints(output_dir)
-    regular = [c for c in checkpoints if not c[1]]
-    doomed = regular[:-limit] if len(regular) > limit else []
-    if regular:
-        newest = regular[-1][0]
-        doomed += [c for c in checkpoints if c[1] and c[0] <= newest]
-    removed = []
-    for _, _, path in doomed:
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-        removed.append(path)
-    return removed
 
 
 def _loss_and_tokens(result: Any) -> tuple[float, float]:
@@ -168,26 +121,6 @@ def _batch_tokens(batch: Any) -> float:
     if ids is not None and hasattr(ids, "numel"):
         return float(ids.numel())
     return 0.0
-
-
-def _find_lr(model: Any, adapter_name: str | None, metrics: dict[str, Any]) -> float | None:
-    if isinstance(metrics.get("lr"), (int, float)):
-        return float(metrics["lr"])
-    try:
-        configs = model.get_train_configs(adapter_name=adapter_name)
-    except Exception:
-        return None
-    if not isinstance(configs, dict):
-        return None
-    for holder in (configs, configs.get("optimizer"), configs.get("lr_scheduler"), configs.get("scheduler")):
-        if isinstance(holder, dict):
-            for key in ("lr", "learning_rate", "last_lr"):
-                value = holder.get(key)
-                if isinstance(value, (list, tuple)) and value:
-                    value = value[0]
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    return float(value)
-    return None
 
 
 def _round(value: Any, digits: int = 6) -> Any:
@@ -260,6 +193,7 @@ class Trainer:
         task_cls = plugins.load("task", r.task)
         self.task = task_cls(**r.task_options)
 
+        model_cls = plugins.load("model", r.model.class_name)
         trust = trust_remote_code(r.model.trust_remote_code)
         model_dir = resolve_model(r.model.model_id, revision=r.model.revision) if r.model.model_id else None
         tokenizer_uri = r.model.tokenizer or r.model.model_id
@@ -267,7 +201,7 @@ class Trainer:
             tokenizer_dir = model_dir
         else:
             tokenizer_dir = resolve_model(tokenizer_uri)
-        self.tokenizer = load_tokenizer(tokenizer_dir, trust)
+        self.tokenizer = model_cls.load_tokenizer(tokenizer_dir, trust_remote_code=trust)
 
         data_options = dict(r.data.options)
         for key in ("max_length", "mode", "packing"):
@@ -284,7 +218,6 @@ class Trainer:
 
             mesh = DeviceMesh(**r.mesh)
         self.mesh = mesh
-        model_cls = plugins.load("model", r.model.class_name)
         self.model = model_cls(
             model_id=model_dir,
             config=r.model.config,
@@ -392,7 +325,7 @@ class Trainer:
         return str(path) if path is not None else str(self.output_dir / name)
 
     def _save_checkpoint(self) -> None:
-        path = self._save(f"checkpoint-{self.step}")
+        path = self._save(checkpoint_name(self.step))
         self.checkpoints.append(path)
         logger.info("saved %s", path)
         if self.is_main:
@@ -409,7 +342,7 @@ class Trainer:
             logger.error("an error on this rank stopped training; with several processes the interrupted "
                          "checkpoint is only written on Ctrl+C / SIGTERM (the others may be blocked)")
             return None
-        name = f"checkpoint-{state['step']}-interrupted"
+        name = checkpoint_name(state["step"], interrupted=True)
         try:
             path = self._save(name, dict(state))
         except BaseException as save_exc:  # never hide the original error
@@ -475,18 +408,14 @@ class Trainer:
 
     @staticmethod
     def _global_sum(*values: float) -> tuple[float, ...]:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return values
+        """``values`` summed over every rank (unchanged in a single process)."""
         import torch
 
-        tensor = torch.tensor(values, dtype=torch.float64)
-        backend = dist.get_backend()
-        if backend == "nccl":
-            tensor = tensor.cuda()
-        dist.all_reduce(tensor)
-        return tuple(float(v) for v in tensor.cpu())
+        from twinkle_core.accelerator import current_accelerator
+
+        # on the accelerator's device, where its collective backend (nccl, hccl ...) can reduce it
+        tensor = torch.tensor(values, dtype=torch.float64, device=current_accelerator().device())
+        return tuple(float(v) for v in distributed.all_reduce_sum(tensor).cpu())
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
@@ -589,7 +518,7 @@ class Trainer:
 
     def _log_step(self, log: TrainLogger, bar: Any, window: dict[str, float], grad_norm: Any, started: float,
                   show_bar: bool) -> dict[str, Any]:
-        metrics = dict(self.model.calculate_metric(adapter_name=self.adapter_name, reset=True) or {})
+        metrics = dict(self.model.calculate_metric(adapter_name=self.adapter_name, reset=True))
         loss = metrics.pop("loss", None)
         if loss is None and window["tokens"]:
             loss = window["loss"] / window["tokens"]
@@ -598,12 +527,12 @@ class Trainer:
         values: dict[str, Any] = {
             "epoch": self.epoch,
             "loss": _round(float(loss)) if loss is not None else None,
-            "lr": _find_lr(self.model, self.adapter_name, metrics),
+            "lr": self.model.get_train_configs(adapter_name=self.adapter_name)["lr"],
             "grad_norm": _round(float(grad_norm)) if grad_norm is not None else None,
             "tokens_per_s": round(window["input_tokens"] * (self.dp_size or 1) / interval, 1),
             "elapsed_s": round(now - started, 3),
         }
-        metrics.pop("lr", None)
+        metrics.pop("lr", None)  # logged once, from the train-configs schema above
         values.update({k: _round(v) if isinstance(v, float) else v for k, v in metrics.items()})
         record = log.log("train", self.step, values)
         if self.is_main:
