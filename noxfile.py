@@ -2,6 +2,7 @@
 
 Sessions reuse one environment (``.venv``, made by scripts/bootstrap.sh) so torch is installed once;
 run e.g. ``nox -s core``, ``nox -s hf``, ``nox -s conformance-hf``, ``nox -s slow``, ``nox -s demo``.
+``nox -s core_alone`` is the exception: a fresh virtualenv with twinkle-core and nothing else.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 ENV = {"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "TWINKLE_NO_PROGRESS": "1"}
 PYTEST = [PYTHON, "-m", "pytest", "--import-mode=importlib", "-p", "no:cacheprovider"]
+TORCH = "torch==2.13.0"  # a CPU build; the version scripts/bootstrap.sh installs
 
 
 def _bootstrap(session: nox.Session) -> None:
@@ -39,6 +41,16 @@ def lint(session: nox.Session) -> None:
 def core(session: nox.Session) -> None:
     """twinkle-core: contracts, plugins, losses, data, loop, CLI, and the suite against the reference backend."""
     _pytest(session, "tests", "-m", "not slow")
+
+
+@nox.session(venv_backend="venv", reuse_venv=False, default=False)
+def core_alone(session: nox.Session) -> None:
+    """twinkle-core by itself in a fresh virtualenv (no backend, no optional extra): its declared
+    dependencies suffice, and the tests that need a backend or an optional package skip."""
+    session.install(TORCH)  # first and pinned, so that pip never resolves a bare torch to a CUDA build
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "pytest", "--import-mode=importlib", "-p", "no:cacheprovider", "tests",
+                "-m", "not slow", *session.posargs, env=ENV)
 
 
 @nox.session

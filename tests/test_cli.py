@@ -256,6 +256,7 @@ def test_launch_goes_through_torchrun_after_validation(tmp_path, monkeypatch, fa
 
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory):
+    pytest.importorskip("transformers")
     from twinkle_core.testing.tiny_tokenizer import build_tiny_tokenizer
 
     directory = tmp_path_factory.mktemp("tokenizer")

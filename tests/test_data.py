@@ -38,6 +38,7 @@ CONVERSATION = {
 
 @pytest.fixture(scope="module")
 def tok():
+    pytest.importorskip("transformers")
     return build_tiny_tokenizer()
 
 
@@ -211,6 +212,7 @@ def test_unsupported_suffix_and_missing_file(tmp_path):
 
 
 def test_json_parquet_csv_loading(tmp_path):
+    pytest.importorskip("datasets")
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -14,6 +14,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "examples", "quickstart", "recipe.yaml")
 
+pytest.importorskip("twinkle_backend_hf")  # the quickstart trains a TransformersModel
+
 
 @pytest.mark.timeout(1200)
 def test_quickstart_learns_the_task_and_exports_a_transformers_checkpoint(tmp_path):

@@ -257,3 +257,20 @@ def test_recipe_module_does_not_import_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_every_semantic_rule_that_fails_is_reported():
+    with pytest.raises(ConfigError) as info:
+        recipe_from_dict({"model": {"model_id": "m", "class_name": ""}, "data": {"train": "d", "batch_size": 0},
+                          "optimizer": {"weight_decay": -0.1}, "lr_scheduler": {"warmup_ratio": 1.0},
+                          "train": {"output_dir": ""}, "mesh": {"fsdq": 2}})
+    lines = str(info.value).splitlines()
+    assert lines[0] == "invalid recipe:"
+    assert sorted(line.strip() for line in lines[1:]) == [
+        "data.batch_size: must be > 0, got 0",
+        "lr_scheduler.warmup_ratio: must be in [0, 1), got 1.0",
+        "mesh.fsdq: unknown mesh dimension; did you mean mesh.fsdp?",
+        "model.class_name: must not be empty",
+        "optimizer.weight_decay: must be >= 0, got -0.1",
+        "train.output_dir: must not be empty",
+    ]

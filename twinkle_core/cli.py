@@ -77,13 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------- plugins
 def collect_plugins(plugins: Any = None) -> dict[str, Any]:
     """What ``twinkle plugins`` shows, as plain data."""
-    from twinkle_core.plugins import _HOOK_FOR_KIND, get_plugins
+    from twinkle_core.plugins import get_plugins
+    from twinkle_core.records import KINDS
 
     plugins = plugins if plugins is not None else get_plugins()
     pm = plugins.pm
     registers: dict[str, dict[str, list[dict[str, str]]]] = {}
     problems: list[str] = []
-    for kind, hook_name in _HOOK_FOR_KIND.items():
+    for kind, record_type in KINDS.items():
+        hook_name = record_type.register_hook
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
             try:
                 records = list(impl.function() or ())
@@ -93,7 +95,7 @@ def collect_plugins(plugins: Any = None) -> dict[str, Any]:
             entries = registers.setdefault(impl.plugin_name, {}).setdefault(kind, [])
             entries.extend({"name": str(getattr(r, "name", r)), "impl": str(getattr(r, "impl", "")),
                             "description": str(getattr(r, "description", ""))} for r in records)
-    for kind in _HOOK_FOR_KIND:
+    for kind in KINDS:
         try:
             plugins.records(kind)
         except TwinkleError as exc:
@@ -189,7 +191,12 @@ def _configure_logging() -> None:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from twinkle_core.train.recipe import load_recipe, recipe_to_dict, validate_plugin_names
+    from twinkle_core.train.recipe import (
+        load_recipe,
+        recipe_to_dict,
+        validate_components,
+        validate_plugin_names,
+    )
 
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ConfigError("--nproc-per-node and --nnodes must be at least 1")
@@ -211,6 +218,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         where = f"{args.nproc_per_node * args.nnodes} processes" if launching else "this process"
         print(f"# recipe OK; would train in {where}", file=sys.stderr)
         return 0
+    # imports torch and the backend (hence not in --dry-run): option typos and an impossible
+    # model / strategy / mesh fail here once, instead of on every rank after torchrun started
+    validate_components(recipe)
     _configure_logging()
     if launching:
         from torch.distributed import run as torchrun

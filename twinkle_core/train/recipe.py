@@ -24,21 +24,28 @@ written in a recipe file are relative to that file; paths given as overrides on 
 are relative to the working directory. URIs with a scheme (``hf://``, ``ms://``) are left alone.
 
 This module imports neither torch nor any backend, so ``twinkle train`` validates a recipe
-before it launches anything.
+before it launches anything. :func:`validate_components` then imports the components the recipe
+names and checks its free-form ``options`` against their signatures (:mod:`twinkle_core.options`)
+and the model / strategy / mesh combination (:mod:`twinkle_core.capabilities`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import inspect
 import os
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from twinkle_core.errors import ConfigError, PluginNotFoundError
+from twinkle_core.mesh import DeviceMesh
+from twinkle_core.options import check_options
 
 __all__ = [
     "DataConfig",
@@ -54,6 +61,7 @@ __all__ = [
     "parse_override",
     "recipe_from_dict",
     "recipe_to_dict",
+    "validate_components",
     "validate_plugin_names",
 ]
 
@@ -215,10 +223,13 @@ _CONSTRUCTOR_KEYS_FROM = {
 }
 _CONSTRUCTOR_KEYS = set(_CONSTRUCTOR_KEYS_FROM)
 
-_MESH_KEYS = ("dp", "fsdp", "tp", "pp", "vpp", "cp", "sp", "ep")
+_MESH_KEYS = tuple(DeviceMesh.__dataclass_fields__)  # the mesh declares its dimensions once
 
 
 # ---------------------------------------------------------------------- generic validation
+_UNIONS = (typing.Union, types.UnionType)
+
+
 class _Errors(list):
     def add(self, path: str, message: str) -> None:
         self.append(f"{path}: {message}" if path else message)
@@ -255,7 +266,7 @@ def _suggest(prefix: str, key: str, siblings: list[str]) -> str:
 
 
 def _unwrap_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+    if typing.get_origin(tp) in _UNIONS:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:
             return args[0]
@@ -264,7 +275,7 @@ def _unwrap_optional(tp: Any) -> Any:
 
 def _describe(tp: Any) -> str:
     origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
+    if origin in _UNIONS:
         args = typing.get_args(tp)
         parts = [_describe(a) for a in args if a is not type(None)]
         text = " or ".join(parts)
@@ -283,77 +294,99 @@ def _got(value: Any) -> str:
     return f"{name} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
+_MISMATCH = object()  # what a scalar converter returns for a value of the wrong type
+
+
+def _to_bool(value: Any) -> Any:
+    return value if isinstance(value, bool) else _MISMATCH
+
+
+def _to_int(value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return int(value) if isinstance(value, float) and value.is_integer() else _MISMATCH
+
+
+def _to_float(value: Any) -> Any:
+    if isinstance(value, bool):
+        return _MISMATCH
+    try:  # strings too: YAML 1.1 reads 1e-4 (no dot) as a string
+        return float(value) if isinstance(value, (int, float, str)) else _MISMATCH
+    except ValueError:
+        return _MISMATCH
+
+
+def _to_str(value: Any) -> Any:
+    return value if isinstance(value, str) else _MISMATCH
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
+
+
+def _convert_scalar(value: Any, tp: type, path: str, errors: _Errors) -> Any:
+    converted = _SCALARS[tp](value)
+    if converted is _MISMATCH:
+        quote = " (quote it in YAML)" if tp is str else ""
+        errors.add(path, f"expected {_describe(tp)}, got {_got(value)}{quote}")
+        return value
+    return converted
+
+
+def _convert_union(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    choices = [a for a in args if a is not type(None)]
+    for choice in choices:
+        trial = _Errors()
+        result = _convert(value, choice, path, trial)
+        if not trial:
+            return result
+    if len(choices) == 1 and not (len(trial) == 1 and trial[0].startswith(f"{path}: expected ")):
+        errors.extend(trial)  # the value has the right type; its own items are wrong
+    else:
+        errors.add(path, f"expected {_describe(tp)}, got {_got(value)}")
+    return value
+
+
+def _convert_mapping(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
+    if not isinstance(value, dict):
+        errors.add(path, f"expected a mapping, got {_got(value)}")
+        return value
+    key_tp, value_tp = typing.get_args(tp) or (str, Any)
+    out = {}
+    for key, item in value.items():
+        if key_tp is str and not isinstance(key, str):
+            errors.add(_join(path, str(key)), f"keys must be strings, got {_got(key)}")
+            continue
+        out[key] = _convert(item, value_tp, _join(path, str(key)), errors)
+    return out
+
+
+def _convert_list(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
+    if not isinstance(value, (list, tuple)):
+        errors.add(path, f"expected a list, got {_got(value)}")
+        return value
+    (item_tp,) = typing.get_args(tp) or (Any,)
+    return [_convert(item, item_tp, f"{path}[{i}]", errors) for i, item in enumerate(value)]
+
+
+_CONTAINERS = {dict: _convert_mapping, list: _convert_list}
+
+
 def _convert(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
+    """``value`` as the schema type ``tp``; a mismatch is added to ``errors`` (the value is then returned as is)."""
+    origin = typing.get_origin(tp)
     if tp is Any:
         return value
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        choices = [a for a in args if a is not type(None)]
-        if len(choices) == 1:
-            trial = _Errors()
-            result = _convert(value, choices[0], path, trial)
-            if len(trial) == 1 and trial[0].startswith(f"{path}: expected "):
-                errors.add(path, f"expected {_describe(tp)}, got {_got(value)}")
-            else:
-                errors.extend(trial)
-            return result
-        for choice in choices:
-            trial = _Errors()
-            result = _convert(value, choice, path, trial)
-            if not trial:
-                return result
-        errors.add(path, f"expected {_describe(tp)}, got {_got(value)}")
-        return value
+    if origin in _UNIONS:
+        return _convert_union(value, tp, path, errors)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path, errors)
-    if tp is bool:
-        if not isinstance(value, bool):
-            errors.add(path, f"expected true or false, got {_got(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            errors.add(path, f"expected an integer, got {_got(value)}")
-        return value
-    if tp is float:
-        if isinstance(value, bool):
-            errors.add(path, f"expected a number, got {_got(value)}")
-            return value
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        errors.add(path, f"expected a number, got {_got(value)}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            errors.add(path, f"expected a string, got {_got(value)} (quote it in YAML)")
-        return value
-    if tp is dict or origin is dict:
-        if not isinstance(value, dict):
-            errors.add(path, f"expected a mapping, got {_got(value)}")
-            return value
-        key_tp, val_tp = (typing.get_args(tp) or (str, Any))
-        out = {}
-        for k, v in value.items():
-            if key_tp is str and not isinstance(k, str):
-                errors.add(_join(path, str(k)), f"keys must be strings, got {_got(k)}")
-                continue
-            out[k] = _convert(v, val_tp, _join(path, str(k)), errors)
-        return out
-    if tp is list or origin is list:
-        if not isinstance(value, (list, tuple)):
-            errors.add(path, f"expected a list, got {_got(value)}")
-            return value
-        (item_tp,) = typing.get_args(tp) or (Any,)
-        return [_convert(v, item_tp, f"{path}[{i}]", errors) for i, v in enumerate(value)]
+    if tp in _SCALARS:
+        return _convert_scalar(value, tp, path, errors)
+    if (origin or tp) in _CONTAINERS:
+        return _CONTAINERS[origin or tp](value, tp, path, errors)
     raise TypeError(f"recipe schema uses an unsupported type {tp!r} at {path}")
 
 
@@ -383,69 +416,76 @@ def _build(cls: type, raw: Any, path: str, errors: _Errors) -> Any:
 
 
 # ---------------------------------------------------------------------- semantic checks
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_Rule = tuple[str, Callable[[Any, "Recipe"], bool], str]
+
+
+def _positive(path: str, *, zero: bool = False) -> _Rule:
+    """A rule: the number at ``path``, when set, is > 0 (>= 0 with ``zero``)."""
+    return (path, lambda value, recipe: _is_number(value) and (value < 0 or (value == 0 and not zero)),
+            f"must be {'>= 0' if zero else '> 0'}, got {{value!r}}")
+
+
+# (key path, wrong(value at the path, recipe), message; ``{value}`` is the value at the path). They run
+# on a recipe whose types are already right.
+_RULES: list[_Rule] = [
+    ("task", lambda task, r: not task, "must name a task (e.g. causal_lm)"),
+    ("model.class_name", lambda name, r: not name, "must not be empty"),
+    ("model", lambda m, r: m.model_id is None and m.config is None,
+     "set model.model_id (a path, hf://org/name or ms://org/name) or model.config (a transformers config with "
+     "model_type)"),
+    ("model.config", lambda config, r: config is not None and r.model.model_id is None and "model_type" not in config,
+     "must contain model_type (e.g. model_type: qwen2) to build a model from it"),
+    ("model.tokenizer", lambda tokenizer, r: tokenizer is None and r.model.model_id is None,
+     "is required when the model is built from model.config"),
+    ("data.train", lambda train, r: train is None, "is required (the training data file)"),
+    _positive("data.batch_size"),
+    _positive("data.max_length"),
+    ("data.mode", lambda mode, r: r.task == "causal_lm" and mode not in (None, "chat", "pretrain"),
+     "must be 'chat' or 'pretrain', got {value!r}"),
+    _positive("optimizer.lr"),
+    _positive("optimizer.weight_decay", zero=True),
+    _positive("lr_scheduler.warmup_steps", zero=True),
+    ("lr_scheduler.warmup_ratio", lambda ratio, r: ratio is not None and not 0.0 <= ratio < 1.0,
+     "must be in [0, 1), got {value!r}"),
+    ("lr_scheduler", lambda s, r: s.warmup_steps is not None and s.warmup_ratio is not None,
+     "set warmup_steps or warmup_ratio, not both"),
+    *(_positive(f"train.{key}") for key in ("max_steps", "num_epochs", "gradient_accumulation_steps", "max_grad_norm",
+                                             "log_every", "eval_every", "save_every", "save_total_limit")),
+    ("train.output_dir", lambda output_dir, r: not output_dir, "must not be empty"),
+    ("train.eval_every", lambda every, r: every is not None and r.data.eval is None and r.train.evaluate_options is None,
+     "is set but there is nothing to evaluate: set data.eval"),
+]
+
+
+def _at(recipe: Recipe, path: str) -> Any:
+    return functools.reduce(getattr, path.split("."), recipe)
+
+
+def _check_mesh(mesh: dict[str, int] | None, errors: _Errors) -> None:
+    unknown = [key for key in mesh or () if key not in _MESH_KEYS]
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), _MESH_KEYS, n=1)
+        hint = f"did you mean mesh.{close[0]}?" if close else f"known: {', '.join(_MESH_KEYS)}"
+        errors.add(f"mesh.{key}", f"unknown mesh dimension; {hint}")
+    if mesh and not unknown:
+        try:
+            DeviceMesh(**mesh)
+        except ConfigError as exc:
+            errors.add("", str(exc))
+
+
 def _check(recipe: Recipe, errors: _Errors) -> None:
-    def positive(path: str, value: Any, allow_none: bool = True, zero: bool = False) -> None:
-        if value is None:
-            if not allow_none:
-                errors.add(path, "is required")
-            return
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if value < 0 or (value == 0 and not zero):
-                errors.add(path, f"must be {'>= 0' if zero else '> 0'}, got {value!r}")
-
-    if not isinstance(recipe.task, str) or not recipe.task:
-        errors.add("task", "must name a task (e.g. causal_lm)")
-    m = recipe.model
-    if isinstance(m.class_name, str) and not m.class_name:
-        errors.add("model.class_name", "must not be empty")
-    if isinstance(m.options, dict):
-        for key in sorted(set(m.options) & _CONSTRUCTOR_KEYS):
-            where = _CONSTRUCTOR_KEYS_FROM.get(key, f"model.{key}")
-            errors.add(f"model.options.{key}", f"is set by the recipe itself; use {where} instead")
-    if m.model_id is None and m.config is None:
-        errors.add("model", "set model.model_id (a path, hf://org/name or ms://org/name) or model.config "
-                            "(a transformers config with model_type)")
-    if isinstance(m.config, dict) and m.model_id is None and "model_type" not in m.config:
-        errors.add("model.config", "must contain model_type (e.g. model_type: qwen2) to build a model from it")
-    if m.model_id is None and m.tokenizer is None:
-        errors.add("model.tokenizer", "is required when the model is built from model.config")
-    if isinstance(recipe.mesh, dict):
-        for key in recipe.mesh:
-            if key not in _MESH_KEYS:
-                close = difflib.get_close_matches(str(key), _MESH_KEYS, n=1)
-                hint = f"did you mean mesh.{close[0]}?" if close else f"known: {', '.join(_MESH_KEYS)}"
-                errors.add(f"mesh.{key}", f"unknown mesh dimension; {hint}")
-        if not any(e.startswith("mesh.") for e in errors):
-            from twinkle_core.mesh import DeviceMesh
-
-            try:
-                DeviceMesh(**recipe.mesh)
-            except ConfigError as exc:
-                errors.add("", str(exc))
-    d = recipe.data
-    if d.train is None:
-        errors.add("data.train", "is required (the training data file)")
-    positive("data.batch_size", d.batch_size)
-    positive("data.max_length", d.max_length)
-    if recipe.task == "causal_lm" and d.mode is not None and d.mode not in ("chat", "pretrain"):
-        errors.add("data.mode", f"must be 'chat' or 'pretrain', got {d.mode!r}")
-    o = recipe.optimizer
-    positive("optimizer.lr", o.lr)
-    positive("optimizer.weight_decay", o.weight_decay, zero=True)
-    s = recipe.lr_scheduler
-    positive("lr_scheduler.warmup_steps", s.warmup_steps, zero=True)
-    if isinstance(s.warmup_ratio, float) and not 0.0 <= s.warmup_ratio < 1.0:
-        errors.add("lr_scheduler.warmup_ratio", f"must be in [0, 1), got {s.warmup_ratio!r}")
-    if s.warmup_steps is not None and s.warmup_ratio is not None:
-        errors.add("lr_scheduler", "set warmup_steps or warmup_ratio, not both")
-    t = recipe.train
-    for key in ("max_steps", "num_epochs", "gradient_accumulation_steps", "max_grad_norm", "log_every",
-                "eval_every", "save_every", "save_total_limit"):
-        positive(f"train.{key}", getattr(t, key))
-    if isinstance(t.output_dir, str) and not t.output_dir:
-        errors.add("train.output_dir", "must not be empty")
-    if t.eval_every is not None and d.eval is None and t.evaluate_options is None:
-        errors.add("train.eval_every", "is set but there is nothing to evaluate: set data.eval")
+    for path, wrong, message in _RULES:
+        value = _at(recipe, path)
+        if wrong(value, recipe):
+            errors.add(path, message.format(value=value))
+    for key in sorted(set(recipe.model.options) & _CONSTRUCTOR_KEYS):
+        errors.add(f"model.options.{key}", f"is set by the recipe itself; use {_CONSTRUCTOR_KEYS_FROM[key]} instead")
+    _check_mesh(recipe.mesh, errors)
 
 
 # ---------------------------------------------------------------------- paths and overrides
@@ -576,3 +616,51 @@ def validate_plugin_names(recipe: Recipe, plugins: Any = None) -> None:
         except PluginNotFoundError as exc:
             exc.args = (f"{key}: {exc}",)
             raise
+
+
+def validate_components(recipe: Recipe, plugins: Any = None) -> None:
+    """Check every ``options`` mapping against the component it configures, and that the model class,
+    strategy and mesh can work together, before anything is launched or built.
+
+    Unlike :func:`validate_plugin_names` this imports the components (torch and the backend) and
+    instantiates the task, whose own ``__init__`` validates ``task_options``.
+    """
+    from twinkle_core.capabilities import check_compatible
+
+    if plugins is None:
+        from twinkle_core.plugins import get_plugins
+
+        plugins = get_plugins()
+    validate_plugin_names(recipe, plugins)
+    task_cls = plugins.load("task", recipe.task)
+    check_options(task_cls, recipe.task_options, where="task_options")
+    task = task_cls(**recipe.task_options)
+    model_cls = plugins.load("model", recipe.model.class_name)
+    check_options(model_cls, recipe.model.options, where="model.options", provided=_CONSTRUCTOR_KEYS_FROM)
+    strategy_cls = plugins.load("strategy", recipe.strategy.name)
+    check_options(strategy_cls, recipe.strategy.options, where="strategy.options",
+                  provided={"mesh": "mesh", "precision": "precision"})
+    check_compatible(model_cls, strategy_cls, DeviceMesh(**recipe.mesh) if recipe.mesh else None,
+                     strategy_name=recipe.strategy.name)
+    _check_loss_options(recipe, task, plugins)
+    check_options(plugins.load("optimizer", recipe.optimizer.name), recipe.optimizer.options,
+                  where="optimizer.options", positional=1,  # the parameters
+                  provided={"lr": "optimizer.lr", "weight_decay": "optimizer.weight_decay"})
+    check_options(plugins.load("scheduler", recipe.lr_scheduler.name), recipe.lr_scheduler.options,
+                  where="lr_scheduler.options", positional=1,  # the optimizer
+                  provided={"num_training_steps": "train.max_steps", "num_warmup_steps": "lr_scheduler.warmup_steps"})
+    check_options(task.load_dataset, recipe.data.options, where="data.options", positional=2,  # path, tokenizer
+                  provided={key: f"data.{key}" for key in ("max_length", "mode", "packing")})
+    if recipe.train.evaluate_options is not None:  # after model, dataset, tokenizer
+        check_options(task.evaluate, recipe.train.evaluate_options, where="train.evaluate_options", positional=3)
+
+
+def _check_loss_options(recipe: Recipe, task: Any, plugins: Any) -> None:
+    name = recipe.loss.name or getattr(task, "default_loss", "") or None
+    if name is None:
+        raise ConfigError(f"loss.name: the task {recipe.task!r} has no default loss; set loss.name")
+    loss = plugins.load("loss", name)
+    if inspect.isclass(loss):
+        check_options(loss, recipe.loss.options, where="loss.options")
+    elif recipe.loss.options:  # a loss function is used as it is
+        raise ConfigError(f"loss.options: the loss {name!r} is a function and takes no options; remove loss.options")
