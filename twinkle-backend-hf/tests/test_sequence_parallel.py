@@ -19,7 +19,12 @@ from twinkle_backend_hf.sequence_parallel import ulysses
 from twinkle_core.errors import ConfigError
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "sp_parity.py")
+#: float32 rounding through one forward/backward of the tiny model stays far below this
 TOLERANCE = 1e-5
+#: the training results (10 AdamW steps) may differ from the reference by this many times the spread the
+#: reference shows when only its summation order changes (see scripts/sp_parity.py): Ulysses reorders the
+#: same sums across ranks, so its rounding differs by the same kind, not a bounded amount
+SPREAD_FACTOR = 10.0
 
 
 # ---------------------------------------------------------------------- batch sharding
@@ -168,6 +173,7 @@ def _check_parity(reference_dir, tmp_path, nproc: int, dp: int) -> None:
     from distributed import run_torchrun
 
     shutil.copy(reference_dir / "reference.pt", tmp_path / "reference.pt")
+    spread = json.loads((reference_dir / "spread.json").read_text())
     result = run_torchrun([SCRIPT, "sp", str(tmp_path), str(dp)], nproc=nproc, timeout=300)
     assert result.returncode == 0, result.output
     sp = nproc // dp
@@ -184,7 +190,7 @@ def _check_parity(reference_dir, tmp_path, nproc: int, dp: int) -> None:
         compared = {k: v for k, v in deltas.items() if not k.startswith("_")}
         assert {"train_losses", "train_grad_norms", "train_weights", "grad_packed", "grad_single_kv_head",
                 "grad_accumulated", "grad_lora_checkpointing_packed", "eval_packed"} <= compared.keys()
-        too_far = {k: v for k, v in compared.items() if not v <= TOLERANCE}
+        too_far = {k: v for k, v in compared.items() if not v <= max(TOLERANCE, SPREAD_FACTOR * spread.get(k, 0.0))}
         assert not too_far, f"rank {rank}: {too_far}\n{result.output[-3000:]}"
 
 
