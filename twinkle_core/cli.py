@@ -77,24 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------- plugins
 def collect_plugins(plugins: Any = None) -> dict[str, Any]:
     """What ``twinkle plugins`` shows, as plain data."""
-    from twinkle_core.plugins import get_plugins
+    from twinkle_core.plugins import PLUGIN_FAULTS, get_plugins
     from twinkle_core.records import KINDS
 
     plugins = plugins if plugins is not None else get_plugins()
     pm = plugins.pm
     registers: dict[str, dict[str, list[dict[str, str]]]] = {}
     problems: list[str] = []
-    for kind, record_type in KINDS.items():
-        hook_name = record_type.register_hook
-        for impl in getattr(pm.hook, hook_name).get_hookimpls():
-            try:
-                records = list(impl.function() or ())
-            except Exception as exc:  # a plugin's hook raising is reported, not fatal
-                problems.append(f"plugin {impl.plugin_name!r}: {hook_name} raised {type(exc).__name__}: {exc}")
-                continue
-            entries = registers.setdefault(impl.plugin_name, {}).setdefault(kind, [])
-            entries.extend({"name": str(getattr(r, "name", r)), "impl": str(getattr(r, "impl", "")),
-                            "description": str(getattr(r, "description", ""))} for r in records)
+    # first collect the records: a plugin whose registration hook raises is reported among the
+    # failures and unregistered, so the listing below no longer calls it
     for kind in KINDS:
         try:
             plugins.records(kind)
@@ -102,6 +93,17 @@ def collect_plugins(plugins: Any = None) -> dict[str, Any]:
             problems.append(f"{type(exc).__name__}: {exc}")
         except TypeError as exc:
             problems.append(f"TypeError: {exc}")
+    for kind, record_type in KINDS.items():
+        hook_name = record_type.register_hook
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            try:
+                records = list(impl.function() or ())
+            except PLUGIN_FAULTS as exc:  # a plugin's hook raising is reported, not fatal
+                problems.append(f"plugin {impl.plugin_name!r}: {hook_name} raised {type(exc).__name__}: {exc}")
+                continue
+            entries = registers.setdefault(impl.plugin_name, {}).setdefault(kind, [])
+            entries.extend({"name": str(getattr(r, "name", r)), "impl": str(getattr(r, "impl", "")),
+                            "description": str(getattr(r, "description", ""))} for r in records)
     listed = []
     for name, info in plugins.plugins.items():
         listed.append({"name": name, "distribution": info.distribution, "version": info.version,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from twinkle_core.errors import ConfigError
+
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
 _FALSE = {"0", "false", "no", "off", "n", "f", ""}
 
@@ -17,7 +19,8 @@ def env_flag(name: str, default: bool = False) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"environment variable {name}={raw!r} is not a boolean; use 1/0, true/false, on/off")
+    raise ConfigError(f"environment variable {name}={raw!r} is not a boolean; set {name} to one of "
+                      f"1, true, yes, on (on) or 0, false, no, off, or leave it empty (off)")
 
 
 def env_list(name: str) -> list[str]:

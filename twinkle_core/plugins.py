@@ -4,7 +4,12 @@ Plugins are found through the ``twinkle`` entry-point group, loaded once per pro
 (lazy, cached, thread-safe and re-entrant, so every rank may call it freely), and checked against
 the hook specifications. One failure policy applies everywhere:
 
-* a plugin that fails to import is reported (name, distribution, one-line reason) and skipped;
+* a faulty plugin is reported (name, distribution, one-line reason), unregistered and skipped: one
+  that fails to import (``SystemExit`` included), implements a hook that does not exist (a misspelled
+  ``twinkle_register_*``), asks a hook for arguments its specification lacks, or whose registration
+  hook raises;
+* a record whose implementation cannot be imported raises :class:`PluginLoadError`, naming the
+  plugin, its distribution, the record and the module;
 * asking for a name nobody registered raises :class:`PluginNotFoundError`, listing what is
   available and the ``pip install`` that provides it;
 * two distributions registering the same kind/name raise :class:`DuplicatePluginError`.
@@ -18,6 +23,7 @@ Environment:
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 import threading
@@ -30,12 +36,22 @@ import pluggy
 from twinkle_core import hookspecs
 from twinkle_core.catalog import install_hint
 from twinkle_core.envflags import env_flag, env_list
-from twinkle_core.errors import DuplicatePluginError, PluginNotFoundError
+from twinkle_core.errors import DuplicatePluginError, PluginNotFoundError, TwinkleError
 from twinkle_core.records import KINDS, PluginRecord
 
 ENTRY_POINT_GROUP = "twinkle"
 CORE_PLUGIN_NAME = "twinkle-core"
 logger = logging.getLogger("twinkle.plugins")
+# what a plugin's own code may raise and still be reported and skipped; KeyboardInterrupt still stops
+PLUGIN_FAULTS = (Exception, SystemExit)
+
+
+class PluginLoadError(TwinkleError, ImportError):
+    """A registered record's implementation could not be imported. The message names the plugin."""
+
+
+class PluginHookError(TwinkleError, RuntimeError):
+    """A plugin's hook raised when called. The message names the plugin and its distribution."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +131,6 @@ class TwinklePlugins:
             for module_name in self.extra_modules:
                 self._load_one(module_name, module_name, "TWINKLE_PLUGINS",
                                lambda m=module_name: importlib.import_module(m))
-            pm.check_pending()
         finally:
             self._loading = False
 
@@ -132,18 +147,47 @@ class TwinklePlugins:
             return
         try:
             module = loader()
-        except Exception as exc:  # reported and skipped: the one failure policy for plugins
-            reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            failure = PluginFailure(name, dist, reason)
-            self._failures.append(failure)
-            logger.warning("%s", failure)
+        except PLUGIN_FAULTS as exc:  # reported and skipped: the one failure policy for plugins
+            self._fail(PluginFailure(name, dist, _reason(exc)))
             return
         self._register(module, PluginInfo(name, dist, _version(dist), getattr(module, "__name__", where)))
 
     def _register(self, module: Any, info: PluginInfo) -> None:
+        """Register one plugin inside its own failure boundary: a faulty one is reported and skipped."""
         assert self._pm is not None
-        self._pm.register(module, name=info.name)
+        if self._pm.is_registered(module):  # e.g. an entry point also named in TWINKLE_PLUGINS
+            logger.info("plugin %r: module %s is already registered", info.name, info.module)
+            return
+        try:
+            self._pm.register(module, name=info.name)
+            self._check_hook_names(module)
+        except (pluggy.PluginValidationError, ValueError) as exc:
+            self._fail(PluginFailure(info.name, info.distribution, _reason(exc)), module)
+            return
         self._plugin_info[info.name] = info
+
+    def _check_hook_names(self, module: Any) -> None:
+        """Reject hooks no specification declares (a misspelled ``twinkle_register_*``)."""
+        assert self._pm is not None
+        known = [name for name, caller in vars(self._pm.hook).items() if caller.has_spec()]
+        for caller in self._pm.get_hookcallers(module) or ():
+            optional = all(impl.optionalhook for impl in caller.get_hookimpls() if impl.plugin is module)
+            if caller.has_spec() or optional:
+                continue
+            close = difflib.get_close_matches(caller.name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known hooks: {', '.join(sorted(known))}"
+            raise pluggy.PluginValidationError(module, f"unknown hook {caller.name!r}{hint}")
+
+    def _fail(self, failure: PluginFailure, plugin: Any = None) -> None:
+        """Record ``failure``, unregister ``plugin`` and drop any records it already contributed."""
+        self._failures.append(failure)
+        logger.warning("%s", failure)
+        self._plugin_info.pop(failure.name, None)
+        if plugin is not None and self._pm is not None and self._pm.is_registered(plugin):
+            self._pm.unregister(plugin)
+        for cached in self._records.values():
+            for name in [n for n, entry in cached.items() if entry.plugin.name == failure.name]:
+                del cached[name]
 
     # ------------------------------------------------------------------ records
     def records(self, kind: str) -> dict[str, Registered]:
@@ -155,10 +199,18 @@ class TwinklePlugins:
             if cached is not None:
                 return cached
             found: dict[str, Registered] = {}
-            hook = getattr(self.pm.hook, KINDS[kind].register_hook)
-            for impl in hook.get_hookimpls():
+            hook_name = KINDS[kind].register_hook
+            for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+                if not self.pm.is_registered(impl.plugin):  # failed in a re-entrant call meanwhile
+                    continue
                 info = self._plugin_info.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "unknown", "", "")
-                for record in impl.function() or ():
+                try:
+                    produced = list(impl.function() or ())
+                except PLUGIN_FAULTS as exc:
+                    self._fail(PluginFailure(info.name, info.distribution, f"{hook_name} raised {_reason(exc)}"),
+                               impl.plugin)
+                    continue
+                for record in produced:
                     self._check_record(kind, record, info)
                     previous = found.get(record.name)
                     if previous is not None:
@@ -190,23 +242,67 @@ class TwinklePlugins:
 
     def load(self, kind: str, name: str) -> Any:
         """Import and return the implementation registered as ``kind``/``name``."""
-        return self.get(kind, name).load()
+        return self.load_record(kind, self.get(kind, name))
+
+    def load_record(self, kind: str, record: PluginRecord) -> Any:
+        """``record.load()``, with an import failure naming the plugin and distribution that registered it."""
+        try:
+            return record.load()
+        except TwinkleError:
+            raise
+        except PLUGIN_FAULTS as exc:
+            entry = self.records(kind).get(record.name)
+            owner = (f"plugin {entry.plugin.name!r} ({entry.plugin.distribution})" if entry is not None
+                     and entry.record == record else "its plugin")
+            module = record.impl.partition(":")[0]
+            raise PluginLoadError(
+                f"{kind} {record.name!r} registered by {owner} cannot be loaded: its implementation "
+                f"{record.impl!r} (module {module!r}) failed to import: {_reason(exc)}. Reinstall or upgrade "
+                f"that distribution, or disable the plugin with TWINKLE_DISABLE_PLUGINS"
+            ) from exc
 
     # ------------------------------------------------------------------ selection
     def select_accelerator(self) -> PluginRecord:
         accelerators = {n: r.record for n, r in self.records("accelerator").items()}
-        chosen = self.pm.hook.twinkle_select_accelerator(accelerators=accelerators)
+        chosen = self._select("twinkle_select_accelerator", accelerators=accelerators)
         if chosen is None:
             raise PluginNotFoundError("accelerator", "<detected>", list(accelerators), None)
         return chosen
 
     def select_source(self, uri: str) -> PluginRecord:
         sources = {n: r.record for n, r in self.records("source").items()}
-        chosen = self.pm.hook.twinkle_select_source(uri=uri, sources=sources)
+        chosen = self._select("twinkle_select_source", uri=uri, sources=sources)
         if chosen is None:
             scheme = uri.split("://", 1)[0] if "://" in uri else "local"
             raise PluginNotFoundError("source", scheme, list(sources), install_hint("source", scheme))
         return chosen
+
+    def _select(self, hook_name: str, **kwargs: Any) -> Any:
+        """Call a ``twinkle_select_*`` hook; a plugin raising in it is named in a :class:`PluginHookError`."""
+        caller = getattr(self.pm.hook, hook_name)
+        try:
+            return caller(**kwargs)
+        except PLUGIN_FAULTS as exc:
+            if isinstance(exc, TwinkleError):
+                raise
+            codes = {impl.function.__code__: impl.plugin_name for impl in caller.get_hookimpls()
+                     if hasattr(impl.function, "__code__")}
+            tb, culprit = exc.__traceback__, None
+            while tb is not None and culprit is None:
+                culprit = codes.get(tb.tb_frame.f_code)
+                tb = tb.tb_next
+            info = self._plugin_info.get(culprit) if culprit else None
+            who = f"plugin {info.name!r} ({info.distribution})" if info else f"plugin {culprit or '(unknown)'!r}"
+            raise PluginHookError(f"{who} raised in {hook_name}: {_reason(exc)}; fix or upgrade it, or disable "
+                                  f"it with TWINKLE_DISABLE_PLUGINS") from exc
+
+
+def _reason(exc: BaseException) -> str:
+    """One line: the exception's type and message (a multi-line message joined with '; ')."""
+    if isinstance(exc, SystemExit):
+        return f"SystemExit: called sys.exit({exc.code!r})"
+    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _version(dist: str) -> str:

@@ -47,7 +47,8 @@ class TransformersModel(TorchTwinkleModel):
     def load_tokenizer(cls, path: str, *, trust_remote_code: bool = False) -> Any:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with resolve.explain_remote_code_refusal(f"the tokenizer at {path}"):
+            return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
     # ------------------------------------------------------------------ building
     def _auto_class(self) -> Any:
@@ -79,7 +80,8 @@ class TransformersModel(TorchTwinkleModel):
 
             self.model_path = resolve_model(self.model_id, revision=self.revision)
             extra = {"config": self._hf_config()} if self.config_spec is not None else {}
-            module = auto.from_pretrained(self.model_path, dtype=torch.float32, **extra, **common)
+            with resolve.explain_remote_code_refusal(f"the model {self.model_id!r}"):
+                module = auto.from_pretrained(self.model_path, dtype=torch.float32, **extra, **common)
         else:
             module = auto.from_config(self._hf_config(), dtype=torch.float32, **common)
         if self.gradient_checkpointing:

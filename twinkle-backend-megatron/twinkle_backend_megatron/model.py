@@ -86,7 +86,8 @@ class MegatronModel(TorchTwinkleModel):
     def load_tokenizer(cls, path: str, *, trust_remote_code: bool = False) -> Any:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with resolve.explain_remote_code_refusal(f"the tokenizer at {path}"):
+            return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
     # ================================================================== building
     @property
@@ -107,7 +108,9 @@ class MegatronModel(TorchTwinkleModel):
 
         spec = self.config_spec
         if self.model_path is not None and spec is None:
-            return transformers.AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
+            with resolve.explain_remote_code_refusal(f"the model {self.model_id!r}"):
+                return transformers.AutoConfig.from_pretrained(self.model_path,
+                                                               trust_remote_code=self.trust_remote_code)
         if isinstance(spec, transformers.PretrainedConfig):
             return spec
         spec = dict(spec)
@@ -115,7 +118,9 @@ class MegatronModel(TorchTwinkleModel):
         if not model_type:
             raise ConfigError("model.config must name its model_type (e.g. qwen2, llama, qwen3)")
         if self.model_path is not None:
-            base = transformers.AutoConfig.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
+            with resolve.explain_remote_code_refusal(f"the model {self.model_id!r}"):
+                base = transformers.AutoConfig.from_pretrained(self.model_path,
+                                                               trust_remote_code=self.trust_remote_code)
             for key, value in spec.items():
                 setattr(base, key, value)
             return base

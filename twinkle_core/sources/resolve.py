@@ -17,15 +17,16 @@ Environment:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from twinkle_core.envflags import env_flag
-from twinkle_core.errors import SourceError
+from twinkle_core.errors import ConfigError, SourceError
 
 logger = logging.getLogger("twinkle.sources")
 T = TypeVar("T")
@@ -39,8 +40,8 @@ def resolve_model(uri: str, revision: str | None = None, timeout_s: float = 30.0
         raise SourceError(f"model URI must be a non-empty string, got {uri!r}")
     from twinkle_core.plugins import get_plugins
 
-    record = get_plugins().select_source(uri)
-    source = record.load()
+    plugins = get_plugins()
+    source = plugins.load_record("source", plugins.select_source(uri))
     if inspect.isclass(source):
         source = source()
     path = source.resolve(uri, revision=revision, timeout_s=timeout_s)
@@ -57,6 +58,23 @@ def trust_remote_code(value: bool | None = None) -> bool:
     if value is not None:
         return bool(value)
     return env_flag("TWINKLE_TRUST_REMOTE_CODE", False)
+
+
+REMOTE_CODE_FIX = ("read that code, then allow it with `model.trust_remote_code: true` in the recipe, "
+                   "TWINKLE_TRUST_REMOTE_CODE=1 in the environment, or trust_remote_code=True from Python")
+
+
+@contextlib.contextmanager
+def explain_remote_code_refusal(what: str) -> Iterator[None]:
+    """Turn transformers' refusal to run a repository's code ("pass `trust_remote_code=True`", which a
+    recipe user cannot do) into a :class:`ConfigError` naming Twinkle's switches."""
+    try:
+        yield
+    except ValueError as exc:
+        if "trust_remote_code=True" not in str(exc) or isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{what} contains custom code that must run to load it, and running a model "
+                          f"repository's code is off; {REMOTE_CODE_FIX}") from exc
 
 
 def offline_mode() -> bool:
