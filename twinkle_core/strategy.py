@@ -207,9 +207,9 @@ class Strategy(ABC):
             torch.save(state, os.path.join(directory, "optimizer.pt"))
 
     def load_optimizer_state(self, directory: str, module: torch.nn.Module, handle: OptimizerHandle) -> None:
-        import torch
+        from twinkle_core.checkpoint import load_state_file
 
-        handle.optimizer.load_state_dict(torch.load(os.path.join(directory, "optimizer.pt"), weights_only=False))
+        handle.optimizer.load_state_dict(load_state_file(os.path.join(directory, "optimizer.pt")))
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "mesh": self.mesh.to_dict() if self.mesh else None, **self.options}

@@ -389,7 +389,9 @@ class MegatronStrategy(Strategy):
         path = os.path.join(directory, f"optimizer-rank{distributed.rank():05d}.pt")
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} is missing: the checkpoint was written with a different number of ranks")
-        saved = torch.load(path, weights_only=False)
+        from twinkle_core.checkpoint import load_state_file
+
+        saved = load_state_file(path)
         if saved["layout"] != self._layout():
             raise ConfigError(f"the optimizer state in {directory} was saved with the parallel layout "
                               f"{saved['layout']}, but this job runs {self._layout()}; LoRA adapters and the distributed "
