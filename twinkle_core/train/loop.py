@@ -8,9 +8,21 @@ Then, for every optimizer step, ``gradient_accumulation_steps`` micro-batches go
 ``output_dir/logs.jsonl`` (and TensorBoard when installed), evaluates every ``eval_every`` steps
 and at the end, writes ``checkpoint-N`` every ``save_every`` steps (keeping ``save_total_limit``)
 and ``final`` at the end. ``resume`` (a checkpoint directory or ``latest``) continues a run
-exactly: weights, optimizer, scheduler, RNG and the data loader's position come back. On Ctrl+C,
-SIGTERM or an error mid-training, ``checkpoint-N-interrupted`` is saved before the error propagates
-(with several processes, only for Ctrl+C / SIGTERM, which every rank receives).
+exactly: weights, optimizer, scheduler, RNG and the data loader's position come back. The optimizer
+comes back as saved, so a recipe whose ``optimizer.lr`` or ``optimizer.weight_decay`` differs from the
+checkpoint's is refused with a ConfigError rather than silently ignored (the model API has no way yet
+to change them on a resumed optimizer and its schedule).
+
+Stopping early: a first SIGINT (Ctrl+C) or SIGTERM only asks to stop; the loop finishes the current
+optimizer step, saves ``checkpoint-N-interrupted`` (weights and counters of the same step) and raises
+KeyboardInterrupt. With several processes the request is summed over the ranks at every step boundary,
+so all of them stop at the same step even if only one got the signal. A second signal stops at once,
+without saving (the state may be half-way through a step). An error mid-training also saves
+``checkpoint-N-interrupted`` before it propagates (single process only: with several, the other ranks
+may be blocked). Training refuses to go on, and saves nothing, after ``MAX_NONFINITE_STEPS``
+consecutive steps with a non-finite loss or gradient norm (:class:`TrainingDivergedError`), or when
+the first ``LABEL_CHECK_STEPS`` steps saw no label token on any rank (every label masked with
+``IGNORE_INDEX``).
 
 Model constructor convention
 ----------------------------
@@ -58,7 +70,7 @@ from typing import Any
 
 from twinkle_core import distributed
 from twinkle_core.checkpoint import checkpoint_name, latest_checkpoint, prune_checkpoints
-from twinkle_core.errors import ConfigError
+from twinkle_core.errors import ConfigError, TwinkleError
 from twinkle_core.train.logging import TrainLogger
 from twinkle_core.train.progress import progress_bar, progress_enabled
 from twinkle_core.train.recipe import (
@@ -72,6 +84,18 @@ from twinkle_core.train.recipe import (
 logger = logging.getLogger("twinkle.train")
 
 ADAPTER_NAME = "default"
+
+#: consecutive steps with a non-finite loss or gradient norm after which training stops as diverged;
+#: well above the handful of overflow steps a dynamic fp16 loss scaler skips while it settles
+MAX_NONFINITE_STEPS = 25
+#: a run whose first this-many steps see no label token on any rank is stopped: every label is masked
+LABEL_CHECK_STEPS = 5
+#: the label value the losses ignore (masked prompt tokens, padding)
+IGNORE_INDEX = -100
+
+
+class TrainingDivergedError(TwinkleError, RuntimeError):
+    """The loss or gradient norm stayed non-finite for ``MAX_NONFINITE_STEPS`` consecutive steps."""
 
 
 # ---------------------------------------------------------------------- small helpers (patchable in tests)
@@ -123,30 +147,68 @@ def _batch_tokens(batch: Any) -> float:
     return 0.0
 
 
+def _label_tokens(batch: Any) -> float | None:
+    """How many labels of ``batch`` are not ``IGNORE_INDEX``; None when it has no label tensor."""
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    if labels is None or not hasattr(labels, "ne"):
+        return None
+    return float(labels.ne(IGNORE_INDEX).sum())
+
+
+def _is_finite(value: Any) -> bool:
+    """None (a model that reports no gradient norm) counts as finite."""
+    return value is None or math.isfinite(float(value))
+
+
 def _round(value: Any, digits: int = 6) -> Any:
     if isinstance(value, float) and math.isfinite(value):
         return float(f"{value:.{digits}g}")
     return value
 
 
-class _SigtermAsInterrupt:
-    """Turn SIGTERM (torchrun, schedulers) into KeyboardInterrupt so the interrupted checkpoint is written."""
+class _StopSignals:
+    """SIGINT / SIGTERM ask the loop to stop at the next optimizer-step boundary; a second one stops at once.
 
-    def __enter__(self) -> _SigtermAsInterrupt:
-        self.previous = None
-        if threading.current_thread() is threading.main_thread():
-            def handler(signum: int, frame: Any) -> None:
-                raise KeyboardInterrupt(f"received signal {signum}")
+    Raising from the handler would stop wherever the main thread is, e.g. inside the optimizer step, and
+    the interrupted checkpoint would then hold step k+1's weights under step k's counters (a resume
+    applies that step twice). So the first signal only records ``signum``, which the loop checks after
+    each complete step. A second one puts the previous handlers back (a third gets their behaviour) and
+    raises KeyboardInterrupt right away; ``forced`` tells the loop not to save that possibly torn state.
+    """
 
-            try:
-                self.previous = signal.signal(signal.SIGTERM, handler)
-            except (ValueError, OSError):
-                self.previous = None
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.forced = False
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            for sig in self.SIGNALS:
+                previous = signal.signal(sig, self._handle)
+                # None: a handler not installed from Python, which cannot be put back; use the default
+                self.previous[sig] = previous if previous is not None else signal.SIG_DFL
         return self
 
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is None:
+            self.signum = signum
+            logger.warning("received %s: stopping after the current optimizer step (send it again to stop at once)",
+                           name)
+            return
+        self.forced = True
+        self._restore()
+        raise KeyboardInterrupt(f"received {name} twice")
+
+    def _restore(self) -> None:
+        for sig, previous in self.previous.items():
+            signal.signal(sig, previous)
+        self.previous = {}
+
     def __exit__(self, *exc: Any) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+        self._restore()
 
 
 def _bar_friendly_logging(show_bar: bool) -> Any:
@@ -177,6 +239,10 @@ class Trainer:
         self._empty_epochs = 0
         self._boundary: dict[str, Any] = {}
         self._last_saved_step = -1
+        self._nonfinite_run = 0  # consecutive steps with a non-finite loss or gradient norm
+        self._label_tokens_seen = 0.0  # over every rank, during the first LABEL_CHECK_STEPS steps of this run
+        self._steps_this_run = 0
+        self._skip_interrupted_save = False
         self.checkpoints: list[str] = []
         self.model: Any = None
 
@@ -318,7 +384,9 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def _save(self, name: str, state: dict[str, Any] | None = None, **kwargs: Any) -> str:
         state = state or {"step": self.step, "epoch": self.epoch, "loader": self.loader.state_dict()}
-        extra = {**state, "total_steps": self.total_steps}
+        o = self.recipe.optimizer
+        extra = {**state, "total_steps": self.total_steps,
+                 "optimizer_options": {"lr": o.lr, "weight_decay": o.weight_decay}}  # checked on resume
         path = self.model.save(name, output_dir=str(self.output_dir), adapter_name=self.adapter_name,
                                extra_state=extra, **kwargs)
         self._last_saved_step = state["step"]
@@ -369,6 +437,7 @@ class Trainer:
             if not path.exists():
                 raise ConfigError(f"train.resume: checkpoint {spec!r} does not exist")
         extra = self.model.resume_from_checkpoint(str(path), adapter_name=self.adapter_name) or {}
+        self._check_resumed_optimizer(path, extra.get("optimizer_options") or {})
         self.step = int(extra.get("step", 0))
         self.epoch = int(extra.get("epoch", 0))
         self.loader.set_epoch(self.epoch)
@@ -379,6 +448,19 @@ class Trainer:
         self._last_saved_step = self.step
         logger.info("resumed from %s at step %d (epoch %d)", path, self.step, self.epoch)
         return str(path)
+
+    def _check_resumed_optimizer(self, path: Path, saved: dict[str, Any]) -> None:
+        """Refuse an optimizer option that differs from the checkpoint's: the resumed optimizer and schedule
+        would keep the saved value whatever the recipe says. (Checkpoints from before this check have none.)"""
+        o = self.recipe.optimizer
+        changed = [f"optimizer.{key}={saved[key]!r} there but {value!r} in the recipe"
+                   for key, value in (("lr", o.lr), ("weight_decay", o.weight_decay))
+                   if key in saved and saved[key] != value]
+        if changed:
+            raise ConfigError(
+                f"train.resume: {path} was trained with {'; '.join(changed)}. A resumed run keeps the checkpoint's "
+                f"optimizer and learning-rate schedule, so the new value would be ignored; set the checkpoint's "
+                f"value to resume, or start a new run to change it")
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
@@ -445,17 +527,22 @@ class Trainer:
         train_metrics: dict[str, Any] = {}
         final_path = None
         window = self._new_window()
+        stop = _StopSignals()
         try:
-            with _SigtermAsInterrupt(), _bar_friendly_logging(show_bar):
+            with stop, _bar_friendly_logging(show_bar):
                 if t.eval_before_training and eval_enabled and self.step == 0:
                     eval_before = self.evaluate()
                     log.log("eval", self.step, eval_before)
                 window = self._new_window()
                 while self.step < self.total_steps:
+                    step_loss, step_labels = 0.0, 0.0
                     for _ in range(ga):
                         batch = self._next_batch()
                         outputs = model.forward_backward(inputs=batch, adapter_name=name)
                         loss, tokens = _loss_and_tokens(outputs)
+                        step_loss += loss
+                        labels = _label_tokens(batch)
+                        step_labels += 1.0 if labels is None else labels  # no label tensor: assume labelled
                         window["loss"] += loss
                         window["tokens"] += tokens
                         window["input_tokens"] += _batch_tokens(batch)
@@ -467,20 +554,33 @@ class Trainer:
                     if self.step % t.log_every == 0 or self.step == self.total_steps or is_eval_step:
                         train_metrics = self._log_step(log, bar, window, grad_norm, started, show_bar)
                         window = self._new_window()
+                    # after the step's log line, before evaluating or saving it
+                    self._check_step(stop, math.isfinite(step_loss) and _is_finite(grad_norm), step_labels)
                     paused = time.time()
                     if is_eval_step and self.step != self.total_steps:
                         log.log("eval", self.step, self._report_eval(self.evaluate()))
+                        self._check_step(stop)  # a signal during a long evaluation stops before the next step
                     if t.save_every is not None and self.step % t.save_every == 0:
                         self._save_checkpoint()
                     window["paused"] += time.time() - paused  # not training time for tokens/s
                 if eval_enabled:
                     eval_after = self._report_eval(self.evaluate())
                     log.log("eval", self.step, eval_after)
+                    self._check_step(stop)
                 final_path = self._save("final", save_optimizer=False)
                 self.checkpoints.append(final_path)
         except BaseException as exc:
             bar.close()
+            if stop.forced:
+                logger.warning("stopped at once by a second signal, without saving; resume from the last checkpoint")
+                raise
+            if isinstance(exc, TrainingDivergedError) or self._skip_interrupted_save:
+                raise  # such a state is not worth resuming from
             self._save_interrupted(exc)
+            if stop.signum is not None and not isinstance(exc, KeyboardInterrupt):
+                # an error after a stop was asked for (under torchrun often because of it: the other ranks
+                # are going away) is reported as the interrupt it followed
+                raise KeyboardInterrupt(f"received {signal.Signals(stop.signum).name}") from exc
             raise
         finally:
             bar.close()
@@ -505,6 +605,38 @@ class Trainer:
 
             (self.output_dir / "summary.json").write_text(json.dumps(_plain(summary), indent=2) + "\n")
         return summary
+
+    def _check_step(self, stop: _StopSignals, finite: bool = True, label_tokens: float | None = None) -> None:
+        """After a complete step (or an evaluation): stop on a signal, divergence or all-masked labels.
+
+        The three are summed over the ranks in one collective, so every rank takes the same decision at the
+        same step: a signal may reach one rank only, and a rank-local NaN loss must stop them all.
+        ``label_tokens`` None: called between steps (after an evaluation), only the signal is checked.
+        """
+        values = (1.0 if stop.signum is not None else 0.0, 0.0 if finite else 1.0, label_tokens or 0.0)
+        if distributed.world_size() > 1:
+            values = self._global_sum(*values)
+        signalled, nonfinite, labels = values
+        if label_tokens is not None:
+            self._nonfinite_run = self._nonfinite_run + 1 if nonfinite else 0
+            if self._nonfinite_run >= MAX_NONFINITE_STEPS:
+                raise TrainingDivergedError(
+                    f"training diverged: {self._nonfinite_run} consecutive non-finite steps (loss or gradient "
+                    f"norm) at step {self.step}; lower optimizer.lr, set train.max_grad_norm or use bf16 rather "
+                    f"than fp16, and train again")
+            self._steps_this_run += 1
+            if self._steps_this_run <= LABEL_CHECK_STEPS:
+                self._label_tokens_seen += labels
+                if self._label_tokens_seen == 0 and (self._steps_this_run == LABEL_CHECK_STEPS
+                                                      or self.step == self.total_steps):
+                    self._skip_interrupted_save = True
+                    raise ConfigError(
+                        f"data.train ({self.recipe.data.train}): all labels are masked ({IGNORE_INDEX}) in the "
+                        f"first {self._steps_this_run} steps on every rank, so training learns nothing; check the "
+                        f"data format and the task's masking options (e.g. a prompt-only or truncated data set)")
+        if signalled:
+            name = signal.Signals(stop.signum).name if stop.signum is not None else "a signal on another rank"
+            raise KeyboardInterrupt(f"stopping at step {self.step}: received {name}")
 
     @staticmethod
     def _new_window() -> dict[str, float]:
