@@ -1,15 +1,17 @@
 """Read dataset files into rows (dicts).
 
 * ``.jsonl`` is parsed line by line here, so a malformed line raises
-  ``DataFormatError(path, line_number, reason)``; blank lines are skipped.
+  ``DataFormatError(path, line_number, reason)`` (so do bytes that are not UTF-8); blank lines are
+  skipped.
 * ``.json`` (a list of rows), ``.parquet`` and ``.csv`` go through ``datasets.load_dataset``
   (imported lazily; ``pip install datasets``). Their "line" is the row index + 1 (for CSV, the
   data row number, not counting the header).
 
-Rows are validated as they are read (:func:`validate_row`): a row must be an object, and a
-conversation row (``messages`` / ``conversations``) must have well-formed messages. Mode-specific
-checks (e.g. "the last message is from the assistant") happen when the row is encoded; use
-:func:`load_records` to keep each row's line number for those errors.
+A file without any row is a :class:`DataFormatError` too. Rows are validated as they are read
+(:func:`validate_row`): a row must be an object, and a conversation row (``messages`` /
+``conversations``) must have well-formed messages. Mode-specific checks (e.g. "the last message
+is from the assistant") happen when the row is encoded; use :func:`load_records` to keep each
+row's line number for those errors.
 """
 
 from __future__ import annotations
@@ -45,10 +47,19 @@ def _format_of(path: str) -> str:
     raise DataFormatError(path, None, f"unsupported file type; expected one of {', '.join(SUFFIXES)}")
 
 
+def _decode(path: str, number: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8-sig" if number == 1 else "utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataFormatError(path, number, f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} "
+                              "of the line); save the file as UTF-8") from None
+
+
 def _read_jsonl(path: str) -> list[tuple[int, Any]]:
     records = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            line = _decode(path, number, raw)
             if not line.strip():
                 continue
             try:
@@ -81,6 +92,8 @@ def load_records(path: str | os.PathLike[str],
     if not os.path.isfile(path):
         raise DataFormatError(path, None, "no such file")
     records = _read_jsonl(path) if kind == "jsonl" else _read_with_datasets(path, kind)
+    if not records:
+        raise DataFormatError(path, None, "the file is empty (it holds no rows)")
     if validate is not None:
         for line, row in records:
             try:

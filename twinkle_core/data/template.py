@@ -25,6 +25,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from twinkle_core.data.formats import IGNORE_INDEX, InputFeature, RowError, Trajectory, is_conversation_row
+from twinkle_core.errors import ConfigError
+
+#: what happens to a sample longer than ``max_length``: keep its start, keep its end, or refuse it
+TRUNCATION_SIDES = ("right", "left", "error")
 
 #: end-of-turn tokens of common chat templates, recognised when they are in the vocabulary
 KNOWN_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eom_id|>")
@@ -34,18 +38,25 @@ class TemplateError(RowError):
     """The chat template cannot be used to locate assistant turns for this conversation."""
 
 
+def _no_chat_template(tokenizer: Any) -> str:
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    return (f"the tokenizer {name!r} has no chat template, so it cannot render chat data (data.mode: chat, the "
+            "default); set model.tokenizer to a tokenizer that has one (e.g. the model's instruct/chat version), "
+            "or use pretrain-format data ({\"text\": ...} rows) with data.mode: pretrain")
+
+
 class Template:
     def __init__(self, tokenizer: Any, max_length: int | None = None, mode: str = "chat",
                  truncation: str = "right", *, end_of_turn_tokens: Sequence[str] | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None) -> None:
         if mode not in ("chat", "pretrain"):
-            raise ValueError(f"mode must be 'chat' or 'pretrain', got {mode!r}")
-        if truncation not in ("right", "error"):
-            raise ValueError(f"truncation must be 'right' or 'error', got {truncation!r}")
+            raise ConfigError(f"mode must be 'chat' or 'pretrain', got {mode!r}")
+        if truncation not in TRUNCATION_SIDES:
+            raise ConfigError(f"truncation must be one of {', '.join(map(repr, TRUNCATION_SIDES))}, got {truncation!r}")
         if max_length is not None and max_length < 2:
-            raise ValueError(f"max_length must be at least 2, got {max_length}")
+            raise ConfigError(f"max_length must be at least 2 to hold a prompt and an answer, got {max_length}")
         if mode == "chat" and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat_template; set tokenizer.chat_template or use mode='pretrain'")
+            raise ConfigError(_no_chat_template(tokenizer))
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.mode = mode
@@ -100,7 +111,8 @@ class Template:
             if self.truncation == "error":
                 raise RowError(f"sample has {len(input_ids)} tokens, more than max_length={self.max_length} "
                                "(raise max_length or use truncation='right')")
-            input_ids, labels = input_ids[: self.max_length], labels[: self.max_length]
+            keep = slice(-self.max_length, None) if self.truncation == "left" else slice(self.max_length)
+            input_ids, labels = input_ids[keep], labels[keep]
         if labels:
             labels[0] = IGNORE_INDEX
         return InputFeature(input_ids=input_ids, labels=labels, extra=extra)
@@ -206,4 +218,4 @@ class Template:
         return self._tokenize(self.render(messages, add_generation_prompt=True, tools=tools))
 
 
-__all__ = ["KNOWN_END_OF_TURN_TOKENS", "Template", "TemplateError"]
+__all__ = ["KNOWN_END_OF_TURN_TOKENS", "TRUNCATION_SIDES", "Template", "TemplateError"]

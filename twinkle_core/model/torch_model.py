@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import math
 import os
 from abc import abstractmethod
@@ -33,6 +34,7 @@ from twinkle_core.mesh import DeviceMesh
 from twinkle_core.metrics import LossMetric, Metric
 from twinkle_core.model.base import TwinkleModel
 from twinkle_core.model.train_state import TrainState
+from twinkle_core.names import validate_name
 from twinkle_core.optim import build_optimizer, build_scheduler
 from twinkle_core.plugins import get_plugins
 from twinkle_core.precision import Precision
@@ -347,8 +349,9 @@ class TorchTwinkleModel(TwinkleModel):
                                 **{k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, bool))}}
 
     def add_adapter_to_model(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
-        if not adapter_name or adapter_name in self._adapters:
-            raise ConfigError(f"adapter name {adapter_name!r} is empty or already in use")
+        validate_name("adapter name", adapter_name)
+        if adapter_name in self._adapters:
+            raise ConfigError(f"adapter name {adapter_name!r} is already in use")
         if self._wrapped is not None and self._wrapped is not self.module:
             raise ConfigError("add adapters before the first forward or set_optimizer: the strategy has already "
                               "wrapped the model")
@@ -432,7 +435,7 @@ class TorchTwinkleModel(TwinkleModel):
     def save(self, name: str, *, output_dir: str, adapter_name: str | None = None, save_optimizer: bool = True,
              extra_state: dict[str, Any] | None = None) -> str:
         state = self._state(adapter_name)
-        final = os.path.join(output_dir, name)
+        final = os.path.join(output_dir, validate_name("checkpoint name", name, allow_dots=True))
         weights = self.get_state_dict(adapter_name=adapter_name)
         is_main = self.strategy.is_main_process
         with checkpoint.atomic_directory(final, is_main=is_main,
@@ -461,7 +464,11 @@ class TorchTwinkleModel(TwinkleModel):
                 "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
                 "precision": self.precision.state_dict(),
                 "extra_state": extra_state or {},
-                "configs": self.get_train_configs(adapter_name=state.name or None),
+                # ranks 0 .. rng_ranks-1 wrote rng-rank{R}.pt: resume can tell a deleted file from one never written
+                "rng_ranks": distributed.world_size(),
+                # JSON-safe (an adapter config becomes its repr) so the file loads with weights_only=True
+                "configs": json.loads(json.dumps(self.get_train_configs(adapter_name=state.name or None),
+                                                 default=str)),
             }, os.path.join(state_dir, "trainer_state.pt"))
 
     def load(self, path: str, *, adapter_name: str | None = None, **kwargs: Any) -> None:
@@ -474,18 +481,35 @@ class TorchTwinkleModel(TwinkleModel):
 
         if not checkpoint.is_complete(path):
             raise FileNotFoundError(f"{path} is not a complete Twinkle checkpoint (no {checkpoint.MARKER})")
+        # the main process reads every file once; the other ranks get its verdict instead of rereading it all
+        problem = None
+        if self.strategy.is_main_process:
+            try:
+                checkpoint.verify_checkpoint(path)
+            except checkpoint.CheckpointError as exc:
+                problem = str(exc)
+        problem = distributed.broadcast_object(problem)
+        if problem is not None:
+            raise checkpoint.CheckpointError(problem)
         state = self._state(adapter_name)
         handle = self._require_optimizer(state, "resume_from_checkpoint")
-        self.load(path, adapter_name=adapter_name)
         state_dir = os.path.join(path, checkpoint.STATE_DIR)
-        trainer = torch.load(os.path.join(state_dir, "trainer_state.pt"), weights_only=False)
+        trainer = checkpoint.load_state_file(os.path.join(state_dir, "trainer_state.pt"))
+        rank = distributed.rank()
+        rng_path = os.path.join(state_dir, f"rng-rank{rank}.pt")
+        # older checkpoints lack rng_ranks: then any other rank's RNG file shows this one was written too
+        saved_rng = trainer.get("rng_ranks")
+        written = rank < saved_rng if saved_rng is not None else any(
+            n.startswith("rng-rank") for n in os.listdir(state_dir))
+        if written and not os.path.isfile(rng_path):
+            raise checkpoint.CheckpointError(f"checkpoint file {rng_path} is missing (it was written at save time)")
+        self.load(path, adapter_name=adapter_name)
         self.strategy.load_optimizer_state(state_dir, self.wrapped, handle)
         if trainer["scheduler"] is not None and state.scheduler is not None:
             state.scheduler.load_state_dict(trainer["scheduler"])
         self.precision.load_state_dict(trainer["precision"])
         state.load_counters(trainer["counters"])
         state.reset_accumulation()
-        rng_path = os.path.join(state_dir, f"rng-rank{distributed.rank()}.pt")
-        if os.path.exists(rng_path):
-            checkpoint.restore_rng_state(torch.load(rng_path, weights_only=False))
+        if written:
+            checkpoint.restore_rng_state(checkpoint.load_state_file(rng_path))
         return trainer["extra_state"]

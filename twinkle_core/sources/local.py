@@ -1,4 +1,11 @@
-"""A model directory (or file) on disk: ``/models/qwen``, ``./tiny``, ``local:///models/qwen``."""
+"""A model directory (or file) on disk: ``/models/qwen``, ``./tiny``, ``local:///models/qwen``.
+
+A directory without ``config.json`` is refused when it is resolved if it holds weights (a
+half-copied model) or a subdirectory with ``config.json`` (one level too high, e.g. an output
+directory instead of its checkpoint). :func:`check_model_directory` is the full check, for a
+backend that loads a transformers model from the directory; an empty directory passes resolution,
+as tokenizer-only directories and other backends' formats do.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,25 @@ from pathlib import Path
 
 from twinkle_core.errors import SourceError
 from twinkle_core.sources.base import ModelSource, split_uri
+
+MODEL_FILES = ("config.json", "adapter_config.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def _nested_models(path: Path) -> list[str]:
+    return sorted(str(p.parent) for p in path.glob("*/config.json"))
+
+
+def check_model_directory(path: str | Path) -> None:
+    """Raise :class:`SourceError` naming ``path`` when it is a directory without ``config.json``."""
+    path = Path(path)
+    if not path.is_dir() or any((path / name).is_file() for name in MODEL_FILES):
+        return
+    nested = _nested_models(path)
+    hint = f" It is in a subdirectory: use {nested[0]}." if nested else (
+        " Point model.model_id at a transformers model directory (config.json, the weights and the tokenizer),"
+        " or download one with hf://org/name.")
+    raise SourceError(f"model directory {str(path)!r} has no config.json.{hint}")
 
 
 class LocalSource(ModelSource):
@@ -25,4 +51,6 @@ class LocalSource(ModelSource):
         if revision:
             raise SourceError(f"a revision ({revision!r}) was given for the local path {raw!r}; local models "
                               f"have no revisions, remove it")
+        if path.is_dir() and (any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()) or _nested_models(path)):
+            check_model_directory(path)
         return str(path.resolve())

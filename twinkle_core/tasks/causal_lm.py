@@ -5,7 +5,8 @@ Data options (``load_dataset`` keyword arguments; the recipe's ``task_options`` 
 * ``mode``: ``"chat"`` (default; conversations, assistant turns trained) or ``"pretrain"``
   (``{"text": ...}`` rows, every token trained)
 * ``max_length``: truncate samples to this many tokens (and the packing row length)
-* ``truncation``: ``"right"`` (default) or ``"error"``
+* ``truncation``: a sample longer than ``max_length`` keeps its start (``"right"``, default), keeps
+  its end (``"left"``), or is an error (``"error"``)
 * ``packing``: pack several samples per row, padding-free (needs ``max_length``)
 * ``pad_to_multiple_of``: pad batch lengths up to a multiple (task option, used by ``collate``)
 
@@ -142,6 +143,9 @@ class CausalLMTask(Task):
             except RowError as exc:
                 raise DataFormatError(source, line, str(exc)) from None
         untrained = sum(1 for f in features if f.num_trained_tokens == 0)
+        if features and untrained == len(features) and template.max_length is not None:
+            raise DataFormatError(source, None, f"no sample has a trained token left after truncating to "
+                                  f"max_length={template.max_length}; raise data.max_length")
         if untrained:
             logger.warning("%s: %d of %d samples have no trained token (truncated by max_length=%s?)",
                            source, untrained, len(features), template.max_length)

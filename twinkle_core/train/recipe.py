@@ -35,6 +35,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import math
 import os
 import types
 import typing
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from twinkle_core.data.template import TRUNCATION_SIDES
 from twinkle_core.errors import ConfigError, PluginNotFoundError
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.options import check_options
@@ -329,6 +331,9 @@ def _convert_scalar(value: Any, tp: type, path: str, errors: _Errors) -> Any:
         quote = " (quote it in YAML)" if tp is str else ""
         errors.add(path, f"expected {_describe(tp)}, got {_got(value)}{quote}")
         return value
+    if tp is float and not math.isfinite(converted):  # .nan / .inf train a model into NaN
+        errors.add(path, f"must be a finite number, got {converted!r}")
+        return value
     return converted
 
 
@@ -443,9 +448,13 @@ _RULES: list[_Rule] = [
      "is required when the model is built from model.config"),
     ("data.train", lambda train, r: train is None, "is required (the training data file)"),
     _positive("data.batch_size"),
-    _positive("data.max_length"),
+    ("data.max_length", lambda n, r: n is not None and n < 2,
+     "must be at least 2 to hold a prompt and an answer, got {value!r}"),
     ("data.mode", lambda mode, r: r.task == "causal_lm" and mode not in (None, "chat", "pretrain"),
      "must be 'chat' or 'pretrain', got {value!r}"),
+    *((f"{where}.truncation", lambda side, r: r.task == "causal_lm" and side not in (None, *TRUNCATION_SIDES),
+       f"must be one of {', '.join(map(repr, TRUNCATION_SIDES))}, got {{value!r}}")
+      for where in ("data.options", "task_options")),
     _positive("optimizer.lr"),
     _positive("optimizer.weight_decay", zero=True),
     _positive("lr_scheduler.warmup_steps", zero=True),
@@ -461,8 +470,13 @@ _RULES: list[_Rule] = [
 ]
 
 
+def _step(node: Any, key: str) -> Any:
+    return node.get(key) if isinstance(node, dict) else getattr(node, key)
+
+
 def _at(recipe: Recipe, path: str) -> Any:
-    return functools.reduce(getattr, path.split("."), recipe)
+    """The value at ``path``; a key missing from an ``options`` mapping is ``None``."""
+    return functools.reduce(_step, path.split("."), recipe)
 
 
 def _check_mesh(mesh: dict[str, int] | None, errors: _Errors) -> None:
