@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from twinkle_core.errors import ConfigError
-from twinkle_core.plugins import reset_plugins
 from twinkle_core.train import loop
 
 FAKES = "twinkle_test_loop_fakes"
@@ -30,16 +29,7 @@ fakes = sys.modules[FAKES]
 FakeModel = fakes.FakeModel
 
 
-@pytest.fixture(autouse=True)
-def registry(monkeypatch):
-    monkeypatch.setenv("TWINKLE_DISABLE_PLUGIN_AUTOLOAD", "1")
-    monkeypatch.setenv("TWINKLE_PLUGINS", FAKES)
-    monkeypatch.setenv("TWINKLE_NO_PROGRESS", "1")
-    monkeypatch.delenv("TWINKLE_TRUST_REMOTE_CODE", raising=False)
-    FakeModel.instances.clear()
-    reset_plugins()
-    yield
-    reset_plugins()
+registry = fakes.registry  # test_loop.py's autouse fixture: the fake plugin registered, progress off
 
 
 def dirs(output_dir: Path) -> list[str]:
