@@ -76,7 +76,7 @@ class MultiTenantMixin(_TenantBase, metaclass=ABCMeta):
 
     def _remove_adapter(self, adapter_name: str) -> None:
         state = self._states[adapter_name]
-        state.optimizer = state.scheduler = None  # drop the tenant's optimizer state with it
+        state.handle = state.scheduler = None  # drop the tenant's optimizer state with it
         super()._remove_adapter(adapter_name)
 
     def get_train_configs(self, *, adapter_name: str | None = None) -> dict[str, Any]:

@@ -395,9 +395,13 @@ class TorchTwinkleModel(TwinkleModel):
             if reset:
                 metric.reset()
         if state.optimizer is not None:
-            result["lr"] = float(state.optimizer.param_groups[0]["lr"])
+            result["lr"] = self._current_lr(state)
         result["step"] = state.step
         return result
+
+    @staticmethod
+    def _current_lr(state: TrainState) -> float | None:
+        return float(state.optimizer.param_groups[0]["lr"]) if state.optimizer is not None else None
 
     def get_train_configs(self, *, adapter_name: str | None = None) -> dict[str, Any]:
         several = adapter_name is None and len(self._adapters) > 1
@@ -412,7 +416,7 @@ class TorchTwinkleModel(TwinkleModel):
             "accelerator": self.accelerator.name,
             "optimizer": state.optimizer_spec or None,
             "lr_scheduler": state.scheduler_spec or None,
-            "lr": float(state.optimizer.param_groups[0]["lr"]) if state.optimizer is not None else None,
+            "lr": self._current_lr(state),
             "loss": state.loss_spec or None,
             "gradient_accumulation_steps": state.gradient_accumulation_steps,
             "metrics": [type(m).__name__ for m in state.metrics],

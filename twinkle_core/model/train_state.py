@@ -58,13 +58,6 @@ class TrainState:
         """The optimizer the user configured (``None`` before ``set_optimizer``)."""
         return self.handle.optimizer if self.handle is not None else None
 
-    @optimizer.setter
-    def optimizer(self, value: Any) -> None:
-        if value is not None:
-            raise AttributeError("an optimizer reaches a TrainState only through the strategy's handle "
-                                 "(TorchTwinkleModel.set_optimizer); assign None to drop it")
-        self.handle = None
-
     # ------------------------------------------------------------------ the gradient window
     def open_window(self, local_tokens: float, strategy: Any, device: Any = None) -> None:
         """Fix the window's loss divisor on its first backward (collective over the data-parallel ranks).

@@ -426,7 +426,8 @@ class Trainer:
         if not spec:
             return None
         if spec == "latest":
-            path = latest_checkpoint(self.output_dir)
+            # one process hashes the candidates, and every rank resumes from the same one
+            path = distributed.broadcast_object(latest_checkpoint(self.output_dir) if self.is_main else None)
             if path is None:
                 logger.warning("--resume latest: no checkpoint under %s yet; starting from scratch", self.output_dir)
                 return None
