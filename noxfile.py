@@ -1,7 +1,7 @@
 """Developer sessions: one per distribution, the conformance runs, lint, slow tests and the demo.
 
 Sessions reuse one environment (``.venv``, made by scripts/bootstrap.sh) so torch is installed once;
-run e.g. ``nox -s core``, ``nox -s hf``, ``nox -s conformance-hf``, ``nox -s slow``, ``nox -s demo``.
+run e.g. ``nox -s core``, ``nox -s hf``, ``nox -s conformance-hf``, ``nox -s parity``, ``nox -s slow``, ``nox -s demo``.
 ``nox -s core_alone`` is the exception: a fresh virtualenv with twinkle-core and nothing else.
 """
 
@@ -82,6 +82,16 @@ def conformance_distributed(session: nox.Session, target: str) -> None:
     session.run(PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                 "--master-port", "29511", "-m", "pytest", "-p", "no:cacheprovider", "-q", "--pyargs",
                 "twinkle_core.testing.conformance", "--twinkle-backend", target, env=ENV, external=True)
+
+
+@nox.session
+@nox.parametrize("threads", ["1", "2"])
+def parity(session: nox.Session, threads: str) -> None:
+    """The parity tests with THREADS threads per process (CI runs both through scripts/test.sh)."""
+    _bootstrap(session)
+    session.run(*PYTEST, "tests", "twinkle-backend-hf/tests", "twinkle-backend-megatron/tests", "plugins",
+                "-m", "parity and not slow", *session.posargs, env={**ENV, "TWINKLE_TEST_THREADS": threads},
+                external=True, success_codes=[0])
 
 
 @nox.session

@@ -13,12 +13,21 @@ paths=(tests)
 for dist in twinkle-backend-hf twinkle-backend-megatron twinkle-backend-npu plugins/*/; do
     [ -d "$dist/tests" ] && paths+=("${dist%/}/tests")
 done
-set +e
-"$VENV/bin/python" -m pytest "${paths[@]}" -m "not slow" --import-mode=importlib -p no:cacheprovider "$@"
-status=$?
-set -e
-if [ "$status" -eq 5 ]; then
-    echo "pytest collected no tests: failing on purpose" >&2
-    exit 1
+run_pytest() {
+    set +e
+    "$VENV/bin/python" -m pytest "${paths[@]}" --import-mode=importlib -p no:cacheprovider "$@"
+    local status=$?
+    set -e
+    if [ "$status" -eq 5 ]; then
+        echo "pytest collected no tests: failing on purpose" >&2
+        return 1
+    fi
+    return "$status"
+}
+# Every test with one thread per process, then the parity tests again with two: their tolerances come from
+# the arithmetic (twinkle_core.testing.tolerance), so they must hold for any thread count's reduction order.
+TWINKLE_TEST_THREADS=1 run_pytest -m "not slow" "$@"
+if [ "$#" -eq 0 ]; then
+    echo "=== the parity tests again, with 2 threads per process ==="
+    TWINKLE_TEST_THREADS=2 run_pytest -m "parity and not slow" -q
 fi
-exit "$status"

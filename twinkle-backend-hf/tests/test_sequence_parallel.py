@@ -17,14 +17,15 @@ import torch
 from twinkle_backend_hf.sequence_parallel import ulysses
 
 from twinkle_core.errors import ConfigError
+from twinkle_core.testing.tolerance import SPREAD_FACTOR
+from twinkle_core.testing.torchrun import thread_env
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "sp_parity.py")
 #: float32 rounding through one forward/backward of the tiny model stays far below this
 TOLERANCE = 1e-5
-#: the training results (10 AdamW steps) may differ from the reference by this many times the spread the
-#: reference shows when only its summation order changes (see scripts/sp_parity.py): Ulysses reorders the
-#: same sums across ranks, so its rounding differs by the same kind, not a bounded amount
-SPREAD_FACTOR = 10.0
+#: the training results (10 AdamW steps) may differ from the reference by SPREAD_FACTOR times the spread the
+#: reference shows when only its summation order changes (see scripts/sp_parity.py and
+#: twinkle_core.testing.tolerance): Ulysses reorders the same sums across ranks
 
 
 # ---------------------------------------------------------------------- batch sharding
@@ -162,7 +163,7 @@ def test_one_process_strategy_matches_single():
 def reference_dir(tmp_path_factory):
     """The single-process results (strategy "single"), computed once for the module."""
     out = tmp_path_factory.mktemp("sp-reference")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {**os.environ, **thread_env()}
     done = subprocess.run([sys.executable, SCRIPT, "reference", str(out)], capture_output=True, text=True,
                           timeout=300, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -194,12 +195,14 @@ def _check_parity(reference_dir, tmp_path, nproc: int, dp: int) -> None:
         assert not too_far, f"rank {rank}: {too_far}\n{result.output[-3000:]}"
 
 
+@pytest.mark.parity
 @pytest.mark.distributed
 def test_sp2_matches_single_process(reference_dir, tmp_path):
     """sp=2: 10 AdamW steps (losses, grad norms, weights), one-step gradients, forward_only logits."""
     _check_parity(reference_dir, tmp_path, nproc=2, dp=1)
 
 
+@pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_dp2_sp2_matches_single_process(reference_dir, tmp_path):

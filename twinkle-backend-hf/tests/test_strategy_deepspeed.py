@@ -20,11 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from parity_helpers import assert_same_run, run_python
+from parity_helpers import ParityRuns
 
-HERE = Path(__file__).resolve().parent
-PARITY = HERE / "scripts" / "parity.py"
-#: per-step losses / grad norms of one process vs 2 ranks, fp32
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is not installed: "
                                      "pip install 'twinkle-backend-hf[deepspeed]' (deepspeed, ninja)")
@@ -158,29 +155,8 @@ def test_conformance_suite_on_two_ranks(target, tmp_path):
     print(f"{target}: {summaries[0]} on each rank in {result.seconds:.0f} s")
 
 
-class ParityRuns:
-    """Runs ``scripts/parity.py`` once per configuration and keeps the JSON results."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.results: dict[str, dict[str, Any]] = {}
-
-    def get(self, key: str, *args: str, nproc: int = 2) -> dict[str, Any]:
-        if key not in self.results:
-            from distributed import run_torchrun
-
-            out = self.root / f"{key}.json"
-            if nproc == 1:
-                result = run_python([str(PARITY), str(out), *args], timeout=300)
-            else:
-                result = run_torchrun([str(PARITY), str(out), *args], nproc=nproc, timeout=300, env=_job_env())
-            assert result.returncode == 0, result.output
-            self.results[key] = json.loads(out.read_text())
-            self.results[key]["seconds"] = result.seconds
-        return self.results[key]
-
-    def single(self) -> dict[str, Any]:
-        return self.get("single", nproc=1)
+class DeepSpeedRuns(ParityRuns):
+    """The ZeRO parity runs."""
 
     def deepspeed(self, **options: Any) -> dict[str, Any]:
         key = "deepspeed-" + "-".join(f"{k}={v}" for k, v in sorted(options.items()))
@@ -188,10 +164,11 @@ class ParityRuns:
 
 
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory) -> ParityRuns:
-    return ParityRuns(tmp_path_factory.mktemp("deepspeed-parity"))
+def parity(tmp_path_factory) -> DeepSpeedRuns:
+    return DeepSpeedRuns(tmp_path_factory.mktemp("deepspeed-parity"), env=_job_env())
 
 
+@pytest.mark.parity
 @pytest.mark.distributed
 @needs_deepspeed
 @pytest.mark.timeout(660)
@@ -206,7 +183,7 @@ def test_loss_parity_with_one_process(parity, stage):
     run = parity.deepspeed(**_strategy_options(stage))
     assert run["world_size"] == 2 and run["dp_size"] == 2, run
     assert run["strategy_class"].endswith(":DeepSpeedStrategy") and run["wrapped_class"] == "DeepSpeedModule"
-    delta = assert_same_run(reference, run, f"zero{stage}")
+    delta = parity.assert_matches_single(run, f"zero{stage}")
     print(f"zero{stage}: max |loss - single| = {delta:.3g} ({run['seconds']:.0f} s)")
 
 
@@ -218,8 +195,9 @@ def test_loss_parity_with_one_process(parity, stage):
                                      {"stage": 3, "offload_optimizer": True, "offload_param": True,
                                       "config": PARTITION_ALL}],
                          ids=["zero1", "zero2-offload", "zero3-offload"])
+@pytest.mark.parity
 def test_loss_parity_of_other_configurations(parity, options):
-    delta = assert_same_run(parity.single(), parity.deepspeed(**options), json.dumps(options))
+    delta = parity.assert_matches_single(parity.deepspeed(**options), json.dumps(options))
     print(f"{options}: max |loss - single| = {delta:.3g}")
 
 

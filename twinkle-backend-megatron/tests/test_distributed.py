@@ -3,7 +3,8 @@
 Parity: the same tiny Hugging Face weights trained 10 AdamW steps (cosine schedule, clipping at 1.0)
 give the same losses, pre-clip gradient norms and final logits on the HF backend (one process) and
 on Megatron with TP=2, PP=2 (also with tied embeddings), PP=2 x VPP=2, TP=2 x PP=2 (4 ranks), EP=2
-(Qwen3-MoE), DP=2 with the distributed optimizer, and LoRA at TP=2 and PP=2 (fp32; losses within 1e-5).
+(Qwen3-MoE), DP=2 with the distributed optimizer, and LoRA at TP=2 and PP=2 (fp32; within the HF
+reference's own reduction-order spread, see ``twinkle_core.testing.tolerance``).
 Every job runs under a hard timeout.
 """
 
@@ -21,22 +22,37 @@ from twinkle_backend_hf.model import TransformersModel
 from twinkle_backend_megatron.testing import tiny_llama_config, tiny_qwen2_config
 
 from twinkle_core.testing.conformance import LORA_CONFIG, make_batch
+from twinkle_core.testing.tolerance import (
+    assert_within_spread,
+    forward_tolerance,
+    max_abs_diff,
+    spread_tolerance,
+    sum_tolerance,
+)
 from twinkle_core.testing.torchrun import PASSED_ONLY, pytest_summaries
 
 pytestmark = pytest.mark.distributed
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "scripts", "train_losses.py")
-TOL = 1e-5
+#: rows x length of ``make_batch``: the tokens each step's loss averages (an upper bound: prompts are masked)
+TOKENS_PER_STEP = 8 * 12
+#: an upper bound of the trainable parameters of the tiny models (the squared grad norm sums over them)
+PARAMETERS = 200_000
 
 
-def _reference(model) -> dict:
+def _reference(make_model) -> dict:
+    """The HF backend's run, plus the same run with its rows reversed (``reordered``: its own float spread)."""
     import sys
 
     sys.path.insert(0, os.path.join(HERE, "scripts"))
     import loop
 
-    return loop.run(model, adapter_name="t" if model._adapters else None)
+    runs = []
+    for reverse_rows in (False, True):
+        model = make_model()
+        runs.append(loop.run(model, adapter_name="t" if model._adapters else None, reverse_rows=reverse_rows))
+    return {**runs[0], "reordered": runs[1]}
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +65,18 @@ def weights(tmp_path_factory):
     for name, config, seed in (("qwen2", tiny_qwen2_config(), 0), ("llama4", tiny_llama_config(num_hidden_layers=4), 1),
                                ("moe", moe, 2), ("tied", tiny_qwen2_config(tie_word_embeddings=True), 3)):
         paths[name] = TransformersModel(config=config, seed=seed).save(name, output_dir=str(root), save_optimizer=False)
-        refs[name] = _reference(TransformersModel(model_id=paths[name]))
+        refs[name] = _reference(lambda name=name: TransformersModel(model_id=paths[name]))
     start = TransformersModel(model_id=paths["qwen2"])
     start.add_adapter_to_model("t", {**LORA_CONFIG, "init_lora_weights": False})
     paths["lora"] = start.save("lora", output_dir=str(root), save_optimizer=False)
-    hf = TransformersModel(model_id=paths["qwen2"])
-    hf.add_adapter_to_model("t", copy.deepcopy(LORA_CONFIG))
-    hf.load(paths["lora"], adapter_name="t")
-    refs["lora"] = _reference(hf)
+
+    def lora_model():
+        hf = TransformersModel(model_id=paths["qwen2"])
+        hf.add_adapter_to_model("t", copy.deepcopy(LORA_CONFIG))
+        hf.load(paths["lora"], adapter_name="t")
+        return hf
+
+    refs["lora"] = _reference(lora_model)
     return paths, refs
 
 
@@ -70,11 +90,22 @@ def _megatron(tmp_path, runs: list[dict], nproc: int = 2, timeout: float = 300) 
     return json.loads(out.read_text())
 
 
-def _assert_parity(got: dict, want: dict, *, norm_rel: float = 1e-4, logits_atol: float = TOL) -> None:
-    assert got["losses"] == pytest.approx(want["losses"], abs=TOL), (got["losses"], want["losses"])
-    # pre-clip gradient norms: equal up to fp32 rounding (the reduction order differs across shards)
-    assert got["norms"] == pytest.approx(want["norms"], rel=norm_rel), (got["norms"], want["norms"])
-    torch.testing.assert_close(torch.tensor(got["logits"]), torch.tensor(want["logits"]), atol=logits_atol, rtol=0)
+def _assert_parity(got: dict, want: dict) -> None:
+    """Losses, pre-clip grad norms and final logits within the HF reference's own reduction-order spread."""
+    reordered = want["reordered"]
+    assert_within_spread("losses", got["losses"], want["losses"], reordered["losses"],
+                         floor=sum_tolerance(TOKENS_PER_STEP, max(want["losses"])))
+    assert_within_spread("pre-clip grad norms", got["norms"], want["norms"], reordered["norms"],
+                         floor=sum_tolerance(PARAMETERS, max(want["norms"])))
+    assert_within_spread("final logits", got["logits"], want["logits"], reordered["logits"],
+                         floor=_logits_tolerance(want["logits"]))
+
+
+def _logits_tolerance(logits) -> float:
+    """One forward pass of the same weights by two implementations (see ``forward_tolerance``)."""
+    config = tiny_llama_config(num_hidden_layers=4)  # the deepest and widest of the tiny models
+    return forward_tolerance(float(torch.as_tensor(logits).abs().max()), depth=config["num_hidden_layers"],
+                             width=max(config["hidden_size"], config["intermediate_size"]))
 
 
 # ---------------------------------------------------------------------- the core's conformance suite
@@ -103,6 +134,7 @@ def test_conformance_suite_distributed_optimizer():
 
 
 # ---------------------------------------------------------------------- cross-backend parity
+@pytest.mark.parity
 def test_tensor_parallel_lora_and_distributed_optimizer_parity(weights, tmp_path):
     import peft
 
@@ -113,14 +145,15 @@ def test_tensor_parallel_lora_and_distributed_optimizer_parity(weights, tmp_path
         {"model": paths["qwen2"], "mesh": {"dp": 2}, "strategy_options": {"distributed_optimizer": True}}])
     _assert_parity(full, refs["qwen2"])
     _assert_parity(sharded, refs["qwen2"])
-    # random A and B (init_lora_weights=False) make the run sensitive: fp32 rounding differences grow to ~1e-4 in
-    # the last steps' norms and the final logits even in one process; the losses stay within 1e-5
-    _assert_parity(lora, refs["lora"], norm_rel=1e-3, logits_atol=1e-4)
+    # random A and B (init_lora_weights=False) make this run the most sensitive to rounding: its spread is the largest
+    _assert_parity(lora, refs["lora"])
     base = transformers.AutoModelForCausalLM.from_pretrained(paths["qwen2"], dtype=torch.float32)
     loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "trained")).eval()
-    torch.testing.assert_close(_hf_logits(loaded), torch.tensor(lora["logits"], dtype=torch.float64), atol=TOL, rtol=0)
+    torch.testing.assert_close(_hf_logits(loaded), torch.tensor(lora["logits"], dtype=torch.float64),
+                               atol=_logits_tolerance(lora["logits"]), rtol=0)
 
 
+@pytest.mark.parity
 def test_pipeline_parallel_parity_errors_and_hf_checkpoint(weights, tmp_path):
     paths, refs = weights
     plain, virtual, tied, lora = _megatron(tmp_path, [
@@ -130,34 +163,36 @@ def test_pipeline_parallel_parity_errors_and_hf_checkpoint(weights, tmp_path):
         {"model": paths["qwen2"], "mesh": {"pp": 2}, "lora": paths["lora"]}])
     _assert_parity(plain, refs["qwen2"])
     _assert_parity(virtual, refs["llama4"])
-    # the tied matrix sums two gradient contributions (embedding, output) in another order than HF: the final
-    # logits drift up to ~2e-5 after 10 steps, also in one process; losses and norms stay within tolerance
-    _assert_parity(tied, refs["tied"], logits_atol=5e-5)
-    _assert_parity(lora, refs["lora"], norm_rel=1e-3, logits_atol=1e-4)  # see the TP LoRA test
+    # the tied matrix sums two gradient contributions (embedding, output) in another order than HF
+    _assert_parity(tied, refs["tied"])
+    _assert_parity(lora, refs["lora"])
     for method, message in plain["errors"].items():
         assert message and message.startswith("ConfigError") and "forward_backward(inputs=...)" in message, method
     # the checkpoint written from two pipeline stages is one plain HF directory
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "trained"), dtype=torch.float32)
     torch.testing.assert_close(_hf_logits(reloaded), torch.tensor(plain["logits"], dtype=torch.float64),
-                               atol=TOL, rtol=0)
+                               atol=_logits_tolerance(plain["logits"]), rtol=0)
 
 
+@pytest.mark.parity
 def test_expert_parallel_moe_parity(weights, tmp_path):
     paths, refs = weights
     (got,) = _megatron(tmp_path, [{"model": paths["moe"], "mesh": {"dp": 2, "ep": 2}}])
-    # top-k routing is discontinuous: rounding-level differences move the final logits up to ~2e-5
-    _assert_parity(got, refs["moe"], logits_atol=5e-5)
+    # top-k routing is discontinuous: rounding-level differences can move a token to another expert
+    _assert_parity(got, refs["moe"])
 
 
+@pytest.mark.parity
 def test_tensor_and_pipeline_parallel_on_four_ranks(weights, tmp_path):
     paths, refs = weights
     (got,) = _megatron(tmp_path, [{"model": paths["llama4"], "mesh": {"tp": 2, "pp": 2}}], nproc=4, timeout=420)
     _assert_parity(got, refs["llama4"])
 
 
+@pytest.mark.parity
 def test_checkpoint_saved_at_tp2_resumes_at_other_layouts(weights, tmp_path):
     """Optimizer state through dist_checkpointing: TP=2 resumes at TP=2 (bit for bit), DP=2, PP=2 and PP=2 x VPP=2."""
-    paths, _ = weights
+    paths, refs = weights
     out = tmp_path / "reshard.json"
     runs = [{"save": {"tp": 2}, "resume": [{"tp": 2}, {"dp": 2}, {"pp": 2}, {"pp": 2, "vpp": 2}]}]
     job = torchrun([RESHARD, "--model", paths["llama4"], "--ckpt", tmp_path / "ckpt", "--runs", json.dumps(runs),
@@ -167,8 +202,13 @@ def test_checkpoint_saved_at_tp2_resumes_at_other_layouts(weights, tmp_path):
     want = result["uninterrupted"]
     same, *others = result["resumed"]
     assert same["losses"] == want, "the same layout resumes bit for bit"
+    # three steps after the resume: the layouts reorder the same sums, and over that many steps the HF reference's
+    # own reordering spread stays below the rounding bound of one step's loss, which is therefore the tolerance
+    reference = refs["llama4"]
+    floor = sum_tolerance(TOKENS_PER_STEP, max(want))
+    assert spread_tolerance(reference["losses"][:6], reference["reordered"]["losses"][:6], floor=0.0) <= floor
     for run in others:
-        assert run["losses"] == pytest.approx(want, abs=TOL, rel=0), run["mesh"]
+        assert max_abs_diff(run["losses"], want) <= floor, (run["mesh"], run["losses"], want)
     assert max(abs(a - b) for a, b in zip(result["weights_only"], want)) > 1e-3, \
         "without the optimizer state the run must differ, or this test could not detect a lost state"
 

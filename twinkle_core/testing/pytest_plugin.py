@@ -24,6 +24,20 @@ def pytest_addoption(parser: Any) -> None:
                          "(a registered name, or package.module:factory)")
 
 
+def pytest_configure(config: Any) -> None:
+    config.addinivalue_line(
+        "markers", "parity: compares two implementations within a tolerance derived from the arithmetic "
+                   "(twinkle_core.testing.tolerance); CI runs these with TWINKLE_TEST_THREADS=1 and =2")
+    threads = os.environ.get("TWINKLE_TEST_THREADS")
+    if threads:
+        import torch
+
+        from twinkle_core.testing.torchrun import thread_env
+
+        # the in-process tests get the same thread count as the subprocesses (thread_env validates it)
+        torch.set_num_threads(int(thread_env()["OMP_NUM_THREADS"]))
+
+
 def _target(name: str) -> tuple[Any, dict[str, Any], int]:
     from twinkle_core.lazy import import_object
     from twinkle_core.plugins import get_plugins

@@ -10,7 +10,7 @@ Shared by every distribution's multi-process tests (and usable by third-party ba
 ``per_rank_output=True`` each rank's stdout is captured on its own (torchrun ``--redirects``) into
 ``result.rank_stdout``, so assertions never have to untangle the ranks' interleaved lines. Each job
 gets its own ``TWINKLE_SHARED_TMP`` directory, so concurrent jobs never share checkpoint folders,
-and one thread per rank (the test machines have few cores).
+and one thread per rank unless ``TWINKLE_TEST_THREADS`` says otherwise (:func:`thread_env`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,39 @@ from pathlib import Path
 
 #: what torchrun prints when the chosen port was taken between picking and binding it
 _PORT_TAKEN = ("EADDRINUSE", "Address already in use", "address already in use")
+
+
+def thread_env() -> dict[str, str]:
+    """``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` for a test's subprocesses: ``TWINKLE_TEST_THREADS`` (default 1).
+
+    CI runs the parity tests once with 1 thread and once with 2, so no tolerance depends on the
+    reduction order one thread count happens to give."""
+    threads = os.environ.get("TWINKLE_TEST_THREADS", "1")
+    if not threads.isdigit() or int(threads) < 1:
+        raise ValueError(f"TWINKLE_TEST_THREADS must be a positive integer, got {threads!r}")
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    if int(threads) > 1:
+        # several ranks with several threads each oversubscribe a small machine; spinning OpenMP workers
+        # would then steal the cores the other rank needs to make progress
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env
+
+
+def exit_job(code: int = 0) -> None:
+    """End a torchrun test script: wait for every rank, flush, and leave without tearing gloo down.
+
+    Once every rank has passed the final barrier nothing is left to do, but the teardown itself can
+    still fail: ``destroy_process_group`` on one rank may close gloo's connections while the other rank
+    is still finishing that barrier, and at interpreter exit gloo's worker threads may outlive the
+    objects they use. Either ends a finished job with SIGABRT ("terminate called without an active
+    exception", seen once in CI, not reproduced in 60 runs). ``os._exit`` skips the teardown."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def free_port() -> int:
@@ -103,7 +136,7 @@ def run_torchrun(args: Sequence[str], nproc: int = 2, timeout: float = 300.0, *,
     A job that runs past ``timeout`` seconds is killed (``returncode`` < 0). When the picked port
     turns out to be taken, the job is retried on another one up to ``retries`` times.
     """
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+    full_env = {**os.environ, **thread_env(), "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONUNBUFFERED": "1", **(env or {})}
     cleanup: list[str] = []
     if "TWINKLE_SHARED_TMP" not in full_env:

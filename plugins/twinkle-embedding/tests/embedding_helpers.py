@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 from functools import cache
 from typing import Any
+
+from twinkle_core.testing.torchrun import run_torchrun as core_run_torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
@@ -75,35 +72,11 @@ def make_model(task: Any, *, config: dict | None = None, model_id: str | None = 
     return model
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_torchrun(args: list[str], nproc: int = 2, timeout: float = 300.0,
                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """torchrun on 127.0.0.1 with a hard timeout; the whole process group is killed when it runs over."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TWINKLE_NO_PROGRESS": "1", **(env or {})}
-    for attempt in range(3):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
-                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
-        start = time.monotonic()
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
-                                start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            stderr += f"\n[run_torchrun] killed after {timeout:.0f} s"
-        result = subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
-        result.seconds = time.monotonic() - start  # type: ignore[attr-defined]
-        if proc.returncode == 0 or "EADDRINUSE" not in stderr + stdout or attempt == 2:
-            return result
-    return result
+    """The core's torchrun launcher (loopback, hard timeout), offline and without progress bars."""
+    return core_run_torchrun(args, nproc=nproc, timeout=timeout,
+                             env={"HF_HUB_OFFLINE": "1", "TWINKLE_NO_PROGRESS": "1", **(env or {})})
 
 
 def shared_tmp() -> str:

@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-dir", default=None, help="save the trained model here (model.save)")
+    parser.add_argument("--reverse-rows", action="store_true",
+                        help="reverse every batch's rows: the same mathematics in another summation order (the "
+                             "reference's own float spread, see twinkle_core.testing.tolerance)")
     args = parser.parse_args(argv)
     spec = dict(args.spec or {})
     unknown = set(spec) - {"strategy", "strategy_options", "mesh", "precision", "model_options"}
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for micro in range(args.grad_accum):
             batch = make_batch(1000 + (step % args.cycle) * args.grad_accum + micro, rows=args.rows, length=args.length,
                                vocab=config["vocab_size"])
+            if args.reverse_rows:
+                batch = {key: value.flip(0) for key, value in batch.items()}
             model.forward_backward(inputs=local_rows(model, batch))
             norm = model.clip_grad_and_step(max_grad_norm=args.max_grad_norm)
         grad_norms.append(float(norm))
@@ -101,6 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {
         "losses": losses,
         "grad_norms": grad_norms,
+        "tokens_per_step": args.rows * args.length * args.grad_accum,
         "strategy": args.strategy,
         "strategy_class": f"{type(model.strategy).__module__}:{type(model.strategy).__qualname__}",
         "wrapped_class": type(model.wrapped).__name__,
@@ -137,7 +143,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
-    import torch.distributed as dist
+    from twinkle_core.testing.torchrun import exit_job
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    exit_job()

@@ -226,4 +226,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from twinkle_core.testing.torchrun import exit_job
+
+    exit_job(code or 0)

@@ -70,3 +70,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from twinkle_core.testing.torchrun import exit_job
+
+    exit_job()

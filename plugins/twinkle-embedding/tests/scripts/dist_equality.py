@@ -92,9 +92,10 @@ def main() -> None:
         "grads": {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None},
     }
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    from twinkle_core.testing.torchrun import exit_job
+
+    exit_job()
