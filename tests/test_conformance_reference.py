@@ -31,6 +31,12 @@ BROKEN_BACKENDS = {
                            "        loss = self._state(adapter_name).last_loss if loss is None else loss\n"
                            "        super().backward(loss=LossOutput(loss.mean, 1), adapter_name=adapter_name)",
                            "test_gradient_accumulation_is_exact"),
+    "ignores_disable_adapters": ("forward_only", "def forward_only(self, *, inputs, adapter_name=None, "
+                                 "disable_adapters=False, **kw):\n        return super().forward_only(inputs=inputs, "
+                                 "adapter_name=adapter_name)",
+                                 "test_forward_only_with_adapters_disabled_is_the_base_model"),
+    "frozen_copy_trains": ("_trains", "frozen = property(lambda self: False, lambda self, value: None)",
+                           "test_frozen_copy_matches_and_refuses_to_train"),
 }
 
 

@@ -64,6 +64,14 @@ class FakeTask(Task):
     def prepare_model(self, model: Any) -> None:
         model.calls.append(("prepare_model", type(self).__name__))
 
+    def prepare_dataset(self, model: Any, dataset: Any, *, split: str, output_dir: str) -> Any:
+        model.calls.append(("prepare_dataset", split, len(dataset), output_dir))
+        return dataset
+
+    def prepare_batch(self, model: Any, batch: dict[str, Any]) -> dict[str, Any]:
+        model.calls.append(("prepare_batch", int(batch["labels"].numel())))
+        return {**batch, "prepared": True}
+
     def evaluate(self, model: Any, dataset: Any, tokenizer: Any, **options: Any) -> dict[str, float]:
         self.evaluated = (dataset, options)
         return {"fake_metric": 0.5, "eval_already_prefixed": 1.0}
@@ -456,11 +464,11 @@ def test_step_counting_and_gradient_accumulation(tmp_path):
     assert summary["steps"] == summary["num_training_steps"] == 5
     assert count("forward_backward") == 10 and count("clip_grad_and_step") == 5
     assert model().steps == 5
-    names = [c[0] for c in model().calls]
-    assert names[:4] == ["prepare_model", "set_loss", "set_optimizer", "set_lr_scheduler"]
-    assert model().calls[1] == ("set_loss", "mse", None, {})  # the task's default loss
-    assert model().calls[2] == ("set_optimizer", "AdamW", None, {"lr": 0.1, "weight_decay": 0.0})
-    assert model().calls[3] == ("set_lr_scheduler", "linear", None, {"num_training_steps": 5, "num_warmup_steps": 1})
+    calls = [c for c in model().calls if c[0] != "prepare_dataset"]
+    assert [c[0] for c in calls[:4]] == ["prepare_model", "set_loss", "set_optimizer", "set_lr_scheduler"]
+    assert calls[1] == ("set_loss", "mse", None, {})  # the task's default loss
+    assert calls[2] == ("set_optimizer", "AdamW", None, {"lr": 0.1, "weight_decay": 0.0})
+    assert calls[3] == ("set_lr_scheduler", "linear", None, {"num_training_steps": 5, "num_warmup_steps": 1})
     assert FakeModel.instances[-1].kwargs["task"].data_options == {"max_length": 64}
     assert summary["epoch"] == 1
 
@@ -598,6 +606,18 @@ def test_evaluation_before_during_and_after(tmp_path):
     task = model().kwargs["task"]
     assert task.evaluated[1] == {"max_new_tokens": 3} and task.evaluated[0] == [1.0, 2.0, 3.0]
     assert all(r["loss"] < 1e3 for r in train_log(tmp_path / "out"))  # evaluation did not leak
+
+
+def test_data_sets_go_through_prepare_dataset_and_every_batch_through_prepare_batch(tmp_path):
+    (tmp_path / "eval.txt").write_text("2 2")
+    run(make_recipe(tmp_path, data={"eval": str(tmp_path / "eval.txt")}, train={"max_steps": 3}))
+    forwards = count("forward_backward") + count("forward_only")
+    assert count("prepare_batch") == forwards > 3
+    assert model().last_inputs["prepared"]  # the model trained on what prepare_batch returned
+    prepared = [c for c in model().calls if c[0] == "prepare_dataset"]
+    assert prepared == [("prepare_dataset", "train", 10, str(tmp_path / "out")),
+                        ("prepare_dataset", "eval", 2, str(tmp_path / "out"))]
+    assert model().calls.index(prepared[-1]) < model().calls.index(("forward_backward", None))
 
 
 def test_eval_loss_only_without_evaluate_options(tmp_path):

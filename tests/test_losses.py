@@ -13,7 +13,6 @@ import torch
 
 from twinkle_core.loss.base import LossOutput
 from twinkle_core.loss.cross_entropy import ChunkedCrossEntropyLoss, CrossEntropyLoss
-from twinkle_core.loss.dpo import DPOLoss
 from twinkle_core.loss.gkd import GKDLoss
 from twinkle_core.loss.grpo import DAPOLoss, DrGRPOLoss, GRPOLoss
 from twinkle_core.loss.logprobs import token_logprobs
@@ -54,17 +53,6 @@ def naive_token_logps(logits, labels):
     return out
 
 
-def naive_seq_logps(logits, labels):
-    """Per-row (sum of label log-probs, number of label tokens)."""
-    lps = naive_token_logps(logits, labels)
-    sums, counts = [], []
-    for b in range(logits.shape[0]):
-        row = [lp for (bb, _), lp in lps.items() if bb == b]
-        sums.append(sum(row) if row else logits.sum() * 0)
-        counts.append(len(row))
-    return sums, counts
-
-
 def grad(loss, x):
     (g,) = torch.autograd.grad(loss, x)
     return g
@@ -82,7 +70,7 @@ def test_builtin_registry_paths_resolve():
 
     records = list(twinkle_register_losses())
     assert {r.name for r in records} == {
-        "cross_entropy", "chunked_cross_entropy", "dpo", "grpo", "dapo", "dr_grpo", "gkd", "mse"
+        "cross_entropy", "chunked_cross_entropy", "grpo", "dapo", "dr_grpo", "gkd", "mse"
     }
     for record in records:
         cls = record.load()
@@ -187,71 +175,6 @@ def test_cross_entropy_all_ignored(cls):
         assert float(out.loss.detach()) == 0.0
         assert float(out.num_tokens) == (0 if reduction == "sum" else 1)
         assert torch.all(grad(out.loss, logits) == 0)
-
-
-# --------------------------------------------------------------------------- DPO
-
-
-def naive_dpo(logits, labels, ref, beta, loss_type, ls=0.0):
-    sums, counts = naive_seq_logps(logits, labels)
-    p = len(sums) // 2
-    total = 0.0
-    for i in range(p):
-        pc, pr, rc, rr = sums[i], sums[p + i], float(ref[i]), float(ref[p + i])
-        if loss_type == "ipo":
-            pc, rc = pc / counts[i], rc / counts[i]
-            pr, rr = pr / counts[p + i], rr / counts[p + i]
-        h = (pc - rc) - (pr - rr)
-        if loss_type == "sigmoid":
-            total = total - (1 - ls) * torch.log(torch.sigmoid(beta * h)) - ls * torch.log(torch.sigmoid(-beta * h))
-        elif loss_type == "hinge":
-            total = total + torch.clamp(1 - beta * h, min=0)
-        else:
-            total = total + (h - 1 / (2 * beta)) ** 2
-    return total, p
-
-
-@pytest.mark.parametrize(
-    "loss_type,beta,ls", [("sigmoid", 0.1, 0.0), ("sigmoid", 0.5, 0.2), ("hinge", 0.5, 0.0), ("ipo", 0.1, 0.0)]
-)
-def test_dpo_matches_naive(loss_type, beta, ls):
-    logits, labels = make_batch(b=4, t=6, v=7, seed=2)
-    ref = torch.randn(4, dtype=DT, generator=torch.Generator().manual_seed(5)) * 3 - 8
-    out = DPOLoss(beta=beta, loss_type=loss_type, label_smoothing=ls)({"logits": logits}, {"labels": labels, "ref_logps": ref})
-    expected, pairs = naive_dpo(logits, labels, ref, beta, loss_type, ls)
-    assert out.num_tokens == pairs == 2
-    close(out.loss, expected)
-    close(grad(out.loss, logits), grad(expected, logits))
-
-    split = DPOLoss(beta=beta, loss_type=loss_type, label_smoothing=ls)(
-        {"logits": logits}, {"labels": labels, "ref_chosen_logps": ref[:2], "ref_rejected_logps": ref[2:]}
-    )
-    close(split.loss, out.loss)
-
-
-def test_dpo_metrics():
-    logits, labels = make_batch(b=4, seed=2)
-    sums, _ = naive_seq_logps(logits, labels)
-    sums = torch.stack([s.detach() for s in sums])
-    ref = sums.clone()
-    ref[0] += 1.0  # pair 0: chosen reward -0.1 * 1, rejected 0 -> wrong order
-    ref[3] += 2.0  # pair 1: chosen 0, rejected -0.2 -> right order
-    out = DPOLoss(beta=0.1)({"logits": logits}, {"labels": labels, "ref_logps": ref})
-    assert out.metrics["rewards/accuracy"] == pytest.approx(0.5)
-    assert out.metrics["rewards/chosen"] == pytest.approx(-0.05)
-    assert out.metrics["rewards/rejected"] == pytest.approx(-0.1)
-    assert out.metrics["rewards/margins"] == pytest.approx(0.05)
-
-
-def test_dpo_needs_reference_and_even_batch():
-    logits, labels = make_batch(b=4)
-    with pytest.raises(KeyError):
-        DPOLoss()({"logits": logits}, {"labels": labels})
-    free = DPOLoss(reference_free=True)({"logits": logits}, {"labels": labels})
-    close(free.loss, naive_dpo(logits, labels, torch.zeros(4), 0.1, "sigmoid")[0])
-    logits3, labels3 = make_batch(b=3)
-    with pytest.raises(ValueError):
-        DPOLoss()({"logits": logits3}, {"labels": labels3, "ref_logps": torch.zeros(3)})
 
 
 # --------------------------------------------------------------------------- GRPO family
@@ -513,22 +436,6 @@ def test_gradient_accumulation_is_exact(loss_fn):
     close(grad(acc, logits), grad(full, logits))
 
 
-def test_gradient_accumulation_dpo():
-    # 8 pairs; the full batch is [chosen_0..7, rejected_0..7], each micro-batch [chosen_i, chosen_j, rejected_i, rejected_j]
-    logits, labels = make_batch(b=16, t=5, v=6, seed=13)
-    ref = -torch.rand(16, dtype=DT, generator=torch.Generator().manual_seed(14)) * 10
-    for loss_type in ("sigmoid", "ipo", "hinge"):
-        loss_fn = DPOLoss(beta=0.2, loss_type=loss_type)
-        full = _full(loss_fn, {"logits": logits}, {"labels": labels, "ref_logps": ref})
-        micro = []
-        for i in range(0, 8, 2):
-            idx = torch.tensor([i, i + 1, 8 + i, 9 + i])
-            micro.append(({"logits": logits[idx]}, {"labels": labels[idx], "ref_logps": ref[idx]}))
-        acc = _accumulate(loss_fn, micro)
-        close(acc, full)
-        close(grad(acc, logits), grad(full, logits))
-
-
 def test_cross_entropy_uses_pre_shifted_labels_when_the_batch_has_them():
     """Sequence parallelism shifts labels before splitting; the loss must then not shift again."""
     from twinkle_core.loss.cross_entropy import ChunkedCrossEntropyLoss, CrossEntropyLoss
@@ -549,12 +456,10 @@ def test_cross_entropy_uses_pre_shifted_labels_when_the_batch_has_them():
 
 
 def test_per_sequence_losses_refuse_a_sequence_parallel_slice():
-    from twinkle_core.loss.dpo import DPOLoss
+    # the preference losses (twinkle-rl) are checked the same way in that plugin's tests
     from twinkle_core.loss.grpo import GRPOLoss
 
     logits = torch.randn(2, 4, 5)
-    sliced = {"shift_labels": torch.zeros(2, 4, dtype=torch.long), "ref_logps": torch.zeros(2),
-              "advantages": torch.ones(2)}
-    for loss in (DPOLoss(), GRPOLoss()):
-        with pytest.raises(ValueError, match="sequence parallelism"):
-            loss({"logits": logits}, sliced)
+    sliced = {"shift_labels": torch.zeros(2, 4, dtype=torch.long), "advantages": torch.ones(2)}
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        GRPOLoss()({"logits": logits}, sliced)

@@ -34,7 +34,6 @@ def twinkle_register_precisions():
 def twinkle_register_losses():
     yield LossRecord("cross_entropy", "twinkle_core.loss.cross_entropy:CrossEntropyLoss")
     yield LossRecord("chunked_cross_entropy", "twinkle_core.loss.cross_entropy:ChunkedCrossEntropyLoss")
-    yield LossRecord("dpo", "twinkle_core.loss.dpo:DPOLoss", "DPO (sigmoid / ipo / hinge)")
     yield LossRecord("grpo", "twinkle_core.loss.grpo:GRPOLoss")
     yield LossRecord("dapo", "twinkle_core.loss.grpo:DAPOLoss", "decoupled clip, token-level aggregation")
     yield LossRecord("dr_grpo", "twinkle_core.loss.grpo:DrGRPOLoss")

@@ -31,25 +31,42 @@ class Metric(ABC):
 
 
 class LossMetric(Metric):
-    """Token-weighted mean loss over everything since the last reset."""
+    """Token-weighted mean loss over everything since the last reset, and the loss's own metrics.
+
+    A loss may report metrics of its micro-batch (``LossOutput.metrics``: DPO's ``rewards/accuracies``,
+    GRPO's clip fraction ...) as means over its ``num_tokens`` units; they are averaged the same way as
+    the loss, weighted by ``num_tokens``, over every micro-batch and rank since the last reset. Every rank
+    runs the same loss, so every rank reports the same names (the model sums the totals in one all-reduce).
+    """
 
     name = "loss"
+    _PREFIX = "loss_metric:"
 
     def reset(self) -> None:
         self.loss_sum = 0.0
         self.tokens = 0.0
+        self.metric_sums: dict[str, float] = {}
 
     def update(self, inputs: dict[str, Any], outputs: dict[str, Any], loss_output: Any) -> None:
         if loss_output is not None:
             self.loss_sum += float(loss_output.loss.detach())
-            self.tokens += float(loss_output.num_tokens)
+            weight = float(loss_output.num_tokens)
+            self.tokens += weight
+            for key, value in (getattr(loss_output, "metrics", None) or {}).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.metric_sums[key] = self.metric_sums.get(key, 0.0) + float(value) * weight
 
     def totals(self) -> dict[str, float]:
-        return {"loss_sum": self.loss_sum, "tokens": self.tokens}
+        return {"loss_sum": self.loss_sum, "tokens": self.tokens,
+                **{self._PREFIX + key: value for key, value in sorted(self.metric_sums.items())}}
 
     def compute(self, totals: dict[str, float]) -> dict[str, float]:
         tokens = totals["tokens"]
-        return {"loss": totals["loss_sum"] / tokens if tokens else float("nan"), "tokens": tokens}
+        result = {"loss": totals["loss_sum"] / tokens if tokens else float("nan"), "tokens": tokens}
+        for key, value in totals.items():
+            if key.startswith(self._PREFIX):
+                result[key[len(self._PREFIX):]] = value / tokens if tokens else float("nan")
+        return result
 
 
 class TokenAccuracy(Metric):

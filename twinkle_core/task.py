@@ -40,6 +40,8 @@ class Task(ABC):
     default_loss: ClassVar[str] = ""
     #: what kind of network the backend should build: "causal_lm" or "encoder"
     model_kind: ClassVar[str] = "causal_lm"
+    #: batch features this task's batches carry beyond tokens and labels (see ``Loss.requires``)
+    provides: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, **options: Any) -> None:
         self.options = options
@@ -58,6 +60,23 @@ class Task(ABC):
 
     def prepare_model(self, model: TwinkleModel) -> None:
         """Adapt the model for the task once it is built (read its config, choose a head ...)."""
+
+    def prepare_dataset(self, model: TwinkleModel, dataset: Any, *, split: str, output_dir: str) -> Any:
+        """Annotate a loaded data set with what the model computes once before training (precomputed
+        reference log-probs), caching it under ``output_dir`` so a resumed run reuses it.
+
+        The trainer calls it on every rank for ``split`` "train" and "eval", once the model is built and
+        before a checkpoint is resumed (so the model holds its initial weights), and trains on what it returns.
+        """
+        return dataset
+
+    def prepare_batch(self, model: TwinkleModel, batch: dict[str, Any]) -> dict[str, Any]:
+        """Complete a collated batch with what only the model can compute (reference log-probs, ...).
+
+        The trainer calls it on every rank before each training and evaluation forward of a batch; a
+        script driving the model itself calls it the same way. It may run ``model.forward_only``.
+        """
+        return batch
 
     def process_outputs(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
         """Turn the network's outputs into what the task's loss and evaluation read (pooling, heads).

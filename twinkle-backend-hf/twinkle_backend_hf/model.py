@@ -121,6 +121,11 @@ class TransformersModel(TorchTwinkleModel):
         adapters.activate(self.module, adapter_name)
         yield
 
+    def _adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
+        # PEFT switches every LoRA layer off and, in a finally, back on with the same active adapter (whose
+        # weights it makes trainable again); self.module is the PeftModel under every strategy
+        return self.module.disable_adapter()
+
     def _adapter_parameter_names(self, adapter_name: str) -> list[str]:
         return adapters.parameter_names(self.module, adapter_name)
 

@@ -17,3 +17,9 @@ def make_tiny_model(*, seed: int = 0, config: dict[str, Any] | None = None, **op
     from twinkle_backend_hf.model import TransformersModel
 
     return TransformersModel(config=config or tiny_qwen2_config(), seed=seed, **options)
+
+
+def make_tiny_multi_lora_model(*, seed: int = 0, config: dict[str, Any] | None = None, **options: Any) -> Any:
+    from twinkle_backend_hf.multi_lora import MultiLoraTransformersModel
+
+    return MultiLoraTransformersModel(config=config or tiny_qwen2_config(), seed=seed, **options)

@@ -33,6 +33,7 @@ import torch
 from twinkle_backend_megatron import convert
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
 from twinkle_core.loss.base import LossOutput
+from twinkle_core.model.frozen import trains
 from twinkle_core.model.torch_model import FULL_MODEL, TorchTwinkleModel
 from twinkle_core.model.train_state import TrainState
 from twinkle_core.sources import resolve
@@ -312,6 +313,10 @@ class MegatronModel(TorchTwinkleModel):
             return self._hf_state_dict()
         return self._adapter_state_dict(name)
 
+    def _local_weights(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        # get_state_dict() is full Hugging Face tensors; the strategy loads this rank's Megatron shards
+        return self._local_state(state_dict.__getitem__, fused_experts=True)
+
     def _export(self, directory: str, state_dict: dict[str, torch.Tensor], adapter_name: str | None) -> None:
         import os
 
@@ -414,6 +419,10 @@ class MegatronModel(TorchTwinkleModel):
         finally:
             self._lora.active.name = previous
 
+    def _adapters_disabled(self) -> Any:
+        # the LoRA hooks (lora.py) add nothing while no adapter is active; the previous one is restored after
+        return self._adapter_context(None)
+
     def _adapter_parameter_names(self, adapter_name: str) -> list[str]:
         return self._lora.parameter_names(adapter_name)
 
@@ -481,6 +490,7 @@ class MegatronModel(TorchTwinkleModel):
             raise _pipeline_error("calculate_loss", self.pp_size)
         return super().calculate_loss(inputs=inputs, outputs=outputs, adapter_name=adapter_name, **kwargs)
 
+    @trains  # the pipeline path below trains without going through the core's forward_backward
     def forward_backward(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
                          **kwargs: Any) -> dict[str, Any]:
         if self.pp_size == 1:
@@ -488,13 +498,15 @@ class MegatronModel(TorchTwinkleModel):
         return self._pipeline(inputs, adapter_name, forward_only=False)
 
     def forward_only(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
-                     **kwargs: Any) -> dict[str, Any]:
+                     disable_adapters: bool = False, **kwargs: Any) -> dict[str, Any]:
         if self.pp_size == 1:
-            return super().forward_only(inputs=inputs, adapter_name=adapter_name, **kwargs)
-        return self._pipeline(inputs, adapter_name, forward_only=True)
+            return super().forward_only(inputs=inputs, adapter_name=adapter_name, disable_adapters=disable_adapters,
+                                        **kwargs)
+        return self._pipeline(inputs, adapter_name, forward_only=True, disable_adapters=disable_adapters)
 
     # ================================================================== pipeline parallelism
-    def _pipeline(self, inputs: dict[str, Any], adapter_name: str | None, *, forward_only: bool) -> dict[str, Any]:
+    def _pipeline(self, inputs: dict[str, Any], adapter_name: str | None, *, forward_only: bool,
+                  disable_adapters: bool = False) -> dict[str, Any]:
         name = self._resolve_name(adapter_name)
         state = self._states[name]
         inputs = self._to_device(self.strategy.prepare_inputs(dict(inputs)))
@@ -504,8 +516,8 @@ class MegatronModel(TorchTwinkleModel):
             # every stage needs the window's divisor before the last stage has computed a loss: count the labels
             state.open_window(_label_count(inputs), self.strategy, self.device)
         scored: list[tuple[dict[str, Any], LossOutput | None]] = []  # (outputs, loss) per micro-batch, last stage
-        self._run_schedule(name, pieces, self._forward_step(state, scored, forward_only=forward_only),
-                           forward_only=forward_only)
+        self._run_schedule(self._adapter_scope(adapter_name, disable_adapters), pieces,
+                           self._forward_step(state, scored, forward_only=forward_only), forward_only=forward_only)
         if forward_only:
             return self._evaluation_outputs(scored, inputs)
         return self._training_outputs(state, scored)
@@ -548,7 +560,7 @@ class MegatronModel(TorchTwinkleModel):
 
         return forward_step
 
-    def _run_schedule(self, adapter: str, pieces: list[dict[str, Any]], forward_step: Any, *,
+    def _run_schedule(self, adapter_scope: Any, pieces: list[dict[str, Any]], forward_step: Any, *,
                       forward_only: bool) -> None:
         """Run megatron-core's pipeline schedule (1F1B, interleaved with ``vpp > 1``) over the micro-batches."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -559,7 +571,7 @@ class MegatronModel(TorchTwinkleModel):
         for chunk in chunks:
             chunk.train(not forward_only)
         try:
-            with self._adapter_context(adapter or None), self.precision.autocast(self.device.type), grad_context:
+            with adapter_scope, self.precision.autocast(self.device.type), grad_context:
                 get_forward_backward_func()(
                     forward_step_func=forward_step, data_iterator=[iter(pieces) for _ in chunks],
                     model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(pieces), seq_length=length,

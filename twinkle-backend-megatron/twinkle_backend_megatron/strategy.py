@@ -191,6 +191,8 @@ class MegatronStrategy(Strategy):
         if isinstance(module, DistributedDataParallel) or (
                 isinstance(module, torch.nn.ModuleList) and isinstance(module[0], DistributedDataParallel)):
             return module
+        if not any(p.requires_grad for p in module.parameters()):
+            return module  # a frozen model (a reference or teacher) has no gradients to reduce or optimizer to shard
         chunks = list(module) if isinstance(module, torch.nn.ModuleList) else [module]
         if any(".lora." in name for name, _ in module.named_parameters()):
             raise ConfigError("distributed_optimizer=True supports full fine-tuning only; LoRA adapters keep "

@@ -8,13 +8,15 @@ name                        class                                               
 ==========================  =====================================================  ==============
 ``cross_entropy``           ``twinkle_core.loss.cross_entropy:CrossEntropyLoss``        label token
 ``chunked_cross_entropy``   ``twinkle_core.loss.cross_entropy:ChunkedCrossEntropyLoss`` label token
-``dpo``                     ``twinkle_core.loss.dpo:DPOLoss`` (sigmoid / ipo / hinge)   pair
 ``grpo``                    ``twinkle_core.loss.grpo:GRPOLoss``                         sequence
 ``dapo``                    ``twinkle_core.loss.grpo:DAPOLoss``                         label token
 ``dr_grpo``                 ``twinkle_core.loss.grpo:DrGRPOLoss``                       sequence
 ``gkd``                     ``twinkle_core.loss.gkd:GKDLoss``                           label token
 ``mse``                     ``twinkle_core.loss.mse:MSELoss``                           element
 ==========================  =====================================================  ==============
+
+The preference losses (``dpo``, ``simpo``, ``orpo``) come with the ``twinkle-rl`` plugin, with the
+``preference`` task whose batch layout they read.
 
 ``reduction="mean"`` (cross entropy, MSE) returns the mean with ``num_tokens=1``. Per-token
 log-probabilities of the labels, with the shared shift convention and bounded memory, come from

@@ -62,6 +62,9 @@ class Loss(ABC):
     """
 
     name: ClassVar[str] = ""
+    #: batch features the loss reads that only some tasks produce (``Task.provides``); a recipe pairing this
+    #: loss with a task that does not provide them is refused before anything is built
+    requires: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],

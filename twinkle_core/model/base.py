@@ -48,8 +48,14 @@ class TwinkleModel(ABC):
 
     @abstractmethod
     def forward_only(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
-                     **kwargs: Any) -> dict[str, Any]:
-        """Evaluation forward without gradients."""
+                     disable_adapters: bool = False, **kwargs: Any) -> dict[str, Any]:
+        """Evaluation forward without gradients.
+
+        ``disable_adapters=True`` runs the base model with every adapter switched off (the reference model of
+        preference training with LoRA); ``adapter_name`` still picks the adapter (tenant) whose call it is.
+        Afterwards the adapters are active again, also when the forward raised. Without adapters the flag
+        changes nothing. A model class that cannot switch its adapters off raises ``ConfigError``.
+        """
 
     @abstractmethod
     def calculate_loss(self, *, inputs: dict[str, Any] | None = None, outputs: dict[str, Any] | None = None,
@@ -125,6 +131,16 @@ class TwinkleModel(ABC):
     @abstractmethod
     def resume_from_checkpoint(self, path: str, *, adapter_name: str | None = None) -> dict[str, Any]:
         """Restore weights, optimizer, scheduler, RNG and counters; return the saved ``extra_state``."""
+
+    def frozen_copy(self) -> TwinkleModel:
+        """A new model of this class, built from the same source with the same strategy (options, mesh) and
+        precision, holding this model's current weights, placed and sharded like it; it only evaluates.
+
+        The copy has no optimizer and no parameter that requires a gradient; its training methods raise
+        ``ConfigError("a frozen copy does not train ...")``. A model with adapters refuses: its base model is
+        ``forward_only(disable_adapters=True)``.
+        """
+        raise ConfigError(f"{type(self).__name__} cannot make a frozen copy of itself")
 
     @abstractmethod
     def get_state_dict(self, *, adapter_name: str | None = None) -> dict[str, Any]:

@@ -32,7 +32,9 @@ from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import CallableLoss, Loss, LossOutput, accepts_context
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.metrics import LossMetric, Metric
+from twinkle_core.model import frozen
 from twinkle_core.model.base import TwinkleModel
+from twinkle_core.model.frozen import trains
 from twinkle_core.model.train_state import TrainState
 from twinkle_core.names import validate_name
 from twinkle_core.optim import build_optimizer, build_scheduler
@@ -49,6 +51,13 @@ class TorchTwinkleModel(TwinkleModel):
 
     #: batch keys passed to the network; everything else (labels, advantages ...) is for the loss
     model_input_keys: tuple[str, ...] = ("input_ids", "attention_mask", "position_ids")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> TorchTwinkleModel:
+        self = super().__new__(cls)
+        # what the caller built the model from, so that frozen_copy() can build it again (every backend's
+        # constructor is keyword-only; a subclass's own options are included without it doing anything)
+        self.init_arguments = dict(kwargs)
+        return self
 
     def __init__(self, *, strategy: str | Strategy = "single", strategy_options: dict[str, Any] | None = None,
                  mesh: DeviceMesh | dict[str, int] | None = None, precision: str | Precision = "no",
@@ -82,6 +91,8 @@ class TorchTwinkleModel(TwinkleModel):
         self._parameter_cache: dict[str, list[torch.nn.Parameter]] = {}
         self._states: dict[str, TrainState] = {FULL_MODEL: self._new_state(FULL_MODEL)}
         self._adapters: dict[str, Any] = {}
+        #: True on a model made by frozen_copy(): it only evaluates
+        self.frozen = False
 
     # ================================================================== backend hooks
     @abstractmethod
@@ -102,6 +113,17 @@ class TorchTwinkleModel(TwinkleModel):
     def _adapter_context(self, adapter_name: str | None) -> contextlib.AbstractContextManager[Any]:
         """Make ``adapter_name`` (``None``: no adapter) the active one for the next forward."""
         return contextlib.nullcontext()
+
+    def _adapters_disabled(self) -> contextlib.AbstractContextManager[Any]:
+        """Switch every adapter off for the next forward (the base model), and back on afterwards, also when
+        the forward raises. Backends with adapters implement it; the default refuses rather than run an
+        adapter while the caller asked for the base model."""
+        raise ConfigError(f"{type(self).__name__} cannot switch its adapters off: forward_only(disable_adapters=True) "
+                          f"is not supported by this model class")
+
+    def _local_weights(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``get_state_dict()``'s weights keyed (and cut) the way ``strategy.load_state_dict`` takes them."""
+        return state_dict
 
     def _adapter_parameter_names(self, adapter_name: str) -> list[str]:
         """Names (in ``self.module.named_parameters()``) of the adapter's trainable weights."""
@@ -167,13 +189,22 @@ class TorchTwinkleModel(TwinkleModel):
     def _to_device(self, inputs: dict[str, Any]) -> dict[str, Any]:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
-    def _compute(self, inputs: dict[str, Any], adapter_name: str | None) -> dict[str, Any]:
+    def _adapter_scope(self, adapter_name: str | None,
+                       disable_adapters: bool = False) -> contextlib.AbstractContextManager[Any]:
+        """The adapter context of a forward: ``adapter_name``'s adapter, or with ``disable_adapters`` none."""
         name = self._resolve_name(adapter_name)
-        with self._adapter_context(name or None), self.precision.autocast(self.device.type):
+        if disable_adapters and self._adapters:
+            return self._adapters_disabled()
+        return self._adapter_context(name or None)
+
+    def _compute(self, inputs: dict[str, Any], adapter_name: str | None,
+                 disable_adapters: bool = False) -> dict[str, Any]:
+        with self._adapter_scope(adapter_name, disable_adapters), self.precision.autocast(self.device.type):
             outputs = self._run_module(self.wrapped, inputs)
             return self.task.process_outputs(outputs, inputs) if self.task is not None else outputs
 
     # ================================================================== compute
+    @trains
     def forward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
         state = self._state(adapter_name)
         inputs = self._to_device(self.strategy.prepare_inputs(dict(inputs)))
@@ -190,7 +221,7 @@ class TorchTwinkleModel(TwinkleModel):
         return contextlib.nullcontext() if last else self.strategy.no_sync(self.wrapped)
 
     def forward_only(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
-                     **kwargs: Any) -> dict[str, Any]:
+                     disable_adapters: bool = False, **kwargs: Any) -> dict[str, Any]:
         self._state(adapter_name)
         inputs = self._to_device(self.strategy.prepare_inputs(dict(inputs)))
         module = self.wrapped
@@ -198,7 +229,7 @@ class TorchTwinkleModel(TwinkleModel):
         module.eval()
         try:
             with torch.no_grad():
-                return self._compute(inputs, adapter_name)
+                return self._compute(inputs, adapter_name, disable_adapters)
         finally:
             module.train(was_training)
 
@@ -219,6 +250,7 @@ class TorchTwinkleModel(TwinkleModel):
         if state.loss is None:
             self.set_loss(default_loss_name(self.task), adapter_name=state.name or None)
 
+    @trains
     def backward(self, *, loss: Any = None, adapter_name: str | None = None, **kwargs: Any) -> None:
         state = self._state(adapter_name)
         loss = state.last_loss if loss is None else loss
@@ -232,6 +264,7 @@ class TorchTwinkleModel(TwinkleModel):
                                    state.handle)
         state.record_backward(loss.num_tokens)
 
+    @trains
     def forward_backward(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
                          **kwargs: Any) -> dict[str, Any]:
         outputs = self.forward(inputs=inputs, adapter_name=adapter_name)
@@ -257,6 +290,7 @@ class TorchTwinkleModel(TwinkleModel):
                                       self.strategy.gradient_scale(float(tokens)) * state.loss_divisor)
         state.gradients_normalised = True
 
+    @trains
     def clip_grad_norm(self, max_grad_norm: float = 1.0, norm_type: float = 2.0, *,
                        adapter_name: str | None = None) -> float:
         state = self._state(adapter_name)
@@ -266,6 +300,7 @@ class TorchTwinkleModel(TwinkleModel):
         state.last_grad_norm = float(norm)
         return state.last_grad_norm
 
+    @trains
     def step(self, *, adapter_name: str | None = None) -> None:
         state = self._state(adapter_name)
         handle = self._require_optimizer(state, "step")
@@ -277,6 +312,7 @@ class TorchTwinkleModel(TwinkleModel):
             state.skipped_steps += 1
         state.step += 1
 
+    @trains
     def zero_grad(self, *, adapter_name: str | None = None) -> None:
         state = self._state(adapter_name)
         if state.handle is not None:
@@ -286,11 +322,13 @@ class TorchTwinkleModel(TwinkleModel):
                 p.grad = None
         state.reset_accumulation()
 
+    @trains
     def lr_step(self, *, adapter_name: str | None = None) -> None:
         state = self._state(adapter_name)
         if state.scheduler is not None:
             state.scheduler.step()
 
+    @trains
     def clip_grad_and_step(self, max_grad_norm: float | None = 1.0, norm_type: float = 2.0, *,
                            adapter_name: str | None = None) -> float | None:
         state = self._state(adapter_name)
@@ -324,6 +362,7 @@ class TorchTwinkleModel(TwinkleModel):
             loss = CallableLoss(loss)  # also adapts losses written before ``context=`` existed
         state.loss = loss
 
+    @trains
     def set_optimizer(self, optimizer: Any, *, adapter_name: str | None = None,
                       gradient_accumulation_steps: int = 1, **kwargs: Any) -> None:
         state = self._state(adapter_name)
@@ -341,6 +380,7 @@ class TorchTwinkleModel(TwinkleModel):
         state.optimizer_spec = {"name": optimizer if isinstance(optimizer, str) else type(handle.optimizer).__name__,
                                 **{k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, bool))}}
 
+    @trains
     def set_lr_scheduler(self, scheduler: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
         state = self._state(adapter_name)
         handle = self._require_optimizer(state, "set_lr_scheduler")
@@ -348,6 +388,7 @@ class TorchTwinkleModel(TwinkleModel):
         state.scheduler_spec = {"name": scheduler if isinstance(scheduler, str) else type(state.scheduler).__name__,
                                 **{k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, bool))}}
 
+    @trains
     def add_adapter_to_model(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
         validate_name("adapter name", adapter_name)
         if adapter_name in self._adapters:
@@ -428,6 +469,9 @@ class TorchTwinkleModel(TwinkleModel):
         }
 
     # ================================================================== state
+    def frozen_copy(self) -> TorchTwinkleModel:
+        return frozen.frozen_copy(self)
+
     def get_state_dict(self, *, adapter_name: str | None = None) -> dict[str, Any]:
         name = self._resolve_name(adapter_name)
         full = self.strategy.full_state_dict(self.wrapped)
@@ -438,6 +482,8 @@ class TorchTwinkleModel(TwinkleModel):
 
     def save(self, name: str, *, output_dir: str, adapter_name: str | None = None, save_optimizer: bool = True,
              extra_state: dict[str, Any] | None = None) -> str:
+        if self.frozen and save_optimizer:
+            raise frozen.refusal(self, "save(save_optimizer=True)")
         state = self._state(adapter_name)
         final = os.path.join(output_dir, validate_name("checkpoint name", name, allow_dots=True))
         weights = self.get_state_dict(adapter_name=adapter_name)
@@ -480,6 +526,7 @@ class TorchTwinkleModel(TwinkleModel):
         weights = self._import(path, name or None)
         self.strategy.load_state_dict(self.wrapped, weights, strict=name == FULL_MODEL)
 
+    @trains
     def resume_from_checkpoint(self, path: str, *, adapter_name: str | None = None) -> dict[str, Any]:
         from twinkle_core import distributed
 

@@ -8,8 +8,10 @@ Run it against a registered target::
 or subclass :class:`ModelContract` in a backend's tests and override the ``twinkle_factory`` fixture.
 
 A factory is ``factory(*, seed: int = 0, **options) -> TwinkleModel`` building a tiny causal LM
-whose vocabulary has :data:`CONFORMANCE_VOCAB_SIZE` tokens and that accepts the LoRA adapter config
-:data:`LORA_CONFIG`. Under several ranks, every rank runs every test; ranks of the same data-parallel
+whose vocabulary has :data:`CONFORMANCE_VOCAB_SIZE` tokens, whose reductions sum at most
+:data:`CONFORMANCE_MAX_WIDTH` terms over at most :data:`CONFORMANCE_MAX_DEPTH` layers (the bounds of the
+float tolerance of forward comparisons), and that accepts the LoRA adapter config :data:`LORA_CONFIG`
+(plus ``init_lora_weights=False``: B random too). Under several ranks, every rank runs every test; ranks of the same data-parallel
 index get the same rows.
 """
 
@@ -24,6 +26,8 @@ import pytest
 
 CONFORMANCE_VOCAB_SIZE = 64
 LORA_CONFIG: dict[str, Any] = {"type": "lora", "r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+CONFORMANCE_MAX_WIDTH = 128
+CONFORMANCE_MAX_DEPTH = 4
 
 
 def make_batch(seed: int, rows: int = 8, length: int = 12, vocab: int = CONFORMANCE_VOCAB_SIZE) -> dict[str, Any]:
@@ -414,10 +418,117 @@ class ModelContract:
                                    model.forward_only(inputs=batch, adapter_name="tenant")["logits"],
                                    atol=1e-6, rtol=1e-6)
 
+    def test_forward_only_with_adapters_disabled_is_the_base_model(self, twinkle_factory):
+        """DPO's reference with LoRA: ``disable_adapters=True`` is the base model, and only for that call."""
+        import torch
+
+        from twinkle_core.testing.tolerance import max_abs_diff
+
+        failing = _FailingTask()
+        base_model = twinkle_factory(seed=0, task=failing)
+        model = twinkle_factory(seed=0, task=failing)
+        model.add_adapter_to_model("policy", {**LORA_CONFIG, "init_lora_weights": False})
+        model.add_adapter_to_model("other", {**LORA_CONFIG, "init_lora_weights": False})  # adapter_name picks
+        batch = local_rows(model, make_batch(16))
+        base = base_model.forward_only(inputs=batch)["logits"].float()
+        plain = base_model.forward_only(inputs=batch, disable_adapters=True)["logits"].float()
+        torch.testing.assert_close(plain, base, atol=0, rtol=0, msg="without adapters the flag changes nothing")
+        tolerance = _forward_tolerance(base)
+        adapted = model.forward_only(inputs=batch, adapter_name="policy")["logits"].float()
+        assert max_abs_diff(adapted, base) > 100 * tolerance, "the adapter (B != 0) must change the logits"
+        disabled = model.forward_only(inputs=batch, adapter_name="policy", disable_adapters=True)["logits"]
+        assert not disabled.requires_grad
+        assert max_abs_diff(disabled.float(), base) <= tolerance, (
+            f"disabled adapters must give the base model's logits: {max_abs_diff(disabled.float(), base):.3g} > "
+            f"{tolerance:.3g}")
+        assert all(p.grad is None for p in model.trainable_parameters(adapter_name="policy")), "no gradients"
+        again = model.forward_only(inputs=batch, adapter_name="policy")["logits"].float()
+        torch.testing.assert_close(again, adapted, atol=0, rtol=0, msg="the adapter must be active again")
+        failing.fail = True
+        with pytest.raises(RuntimeError, match="conformance: failing forward"):
+            model.forward_only(inputs=batch, adapter_name="policy", disable_adapters=True)
+        failing.fail = False
+        torch.testing.assert_close(model.forward_only(inputs=batch, adapter_name="policy")["logits"].float(), adapted,
+                                   atol=0, rtol=0, msg="the adapter must be active again after a failed forward")
+        assert all(p.requires_grad for p in model.trainable_parameters(adapter_name="policy")), \
+            "the adapter must stay trainable"
+        model.set_optimizer("SGD", lr=0.1, adapter_name="policy")
+        out = model.forward_backward(inputs=batch, adapter_name="policy")
+        assert math.isfinite(float(out["loss"]))
+        assert model.clip_grad_and_step(adapter_name="policy") > 0, "the adapter must still train"
+
+    def test_frozen_copy_matches_and_refuses_to_train(self, twinkle_factory, twinkle_shared_dir):
+        """A full-model reference: the policy's current weights, placed like it, that never trains."""
+        import torch
+
+        from twinkle_core.errors import ConfigError
+        from twinkle_core.testing.tolerance import max_abs_diff
+
+        policy = twinkle_factory(seed=0)
+        policy.set_optimizer("AdamW", lr=1e-2)
+        batch = local_rows(policy, make_batch(17))
+        policy.forward_backward(inputs=batch)
+        policy.clip_grad_and_step()  # the copy must hold the current weights, not the initial ones
+        reference = policy.frozen_copy()
+        assert type(reference) is type(policy)
+        want = policy.forward_only(inputs=batch)["logits"].float()
+        got = reference.forward_only(inputs=batch)["logits"]
+        assert not got.requires_grad
+        assert max_abs_diff(got.float(), want) <= _forward_tolerance(want)
+        assert_state_equal(snapshot(reference.get_state_dict()), snapshot(policy.get_state_dict()))
+        assert reference.trainable_parameters() == [], "a frozen copy has no parameter that requires a gradient"
+        configs, policy_configs = reference.get_train_configs(), policy.get_train_configs()
+        for key in ("strategy", "precision", "dp_size", "dp_rank"):
+            assert configs[key] == policy_configs[key], key
+        assert configs["optimizer"] is None and configs["trainable_parameters"] == 0
+        for refused in (lambda: reference.forward_backward(inputs=batch),
+                        lambda: reference.set_optimizer("SGD", lr=0.1),
+                        reference.step,
+                        lambda: reference.save("frozen", output_dir=str(twinkle_shared_dir))):
+            with pytest.raises(ConfigError, match="a frozen copy does not train"):
+                refused()
+        policy.forward_backward(inputs=batch)
+        policy.clip_grad_and_step()
+        torch.testing.assert_close(reference.forward_only(inputs=batch)["logits"], got, atol=0, rtol=0,
+                                   msg="the copy must not follow the policy's training")
+        with_adapter = twinkle_factory(seed=0)
+        with_adapter.add_adapter_to_model("policy", copy.deepcopy(LORA_CONFIG))
+        with pytest.raises(ConfigError, match="disable_adapters=True"):
+            with_adapter.frozen_copy()
+
     def test_unknown_adapter_is_a_clear_error(self, twinkle_factory):
         model = twinkle_factory(seed=0)
         with pytest.raises(Exception, match="no adapter named 'missing'"):
             model.forward(inputs=make_batch(0), adapter_name="missing")
+
+
+def _forward_tolerance(logits: Any) -> float:
+    """Two code paths of one forward with the same weights (see :mod:`twinkle_core.testing.tolerance`)."""
+    from twinkle_core.testing.tolerance import forward_tolerance
+
+    return forward_tolerance(float(logits.abs().max()), width=CONFORMANCE_MAX_WIDTH, depth=CONFORMANCE_MAX_DEPTH)
+
+
+def _FailingTask() -> Any:
+    """A task whose ``process_outputs`` raises while ``fail`` is set (after the network ran on every rank)."""
+    from twinkle_core.task import Task
+
+    class FailingTask(Task):
+        name = "conformance_failing"
+        fail = False
+
+        def load_dataset(self, path, tokenizer, **data_options):
+            return []
+
+        def collate(self, features):
+            return {}
+
+        def process_outputs(self, outputs, inputs):
+            if self.fail:
+                raise RuntimeError("conformance: failing forward")
+            return outputs
+
+    return FailingTask()
 
 
 def _distance(a: dict[str, Any], b: dict[str, Any]) -> float:

@@ -34,11 +34,15 @@ class LoRALinear(nn.Module):
         self.scaling: dict[str, float] = {}
         self.active: str | None = None
 
-    def add(self, name: str, r: int, alpha: float) -> None:
+    def add(self, name: str, r: int, alpha: float, init_b: bool = False) -> None:
+        """``init_b``: B random as well (PEFT's ``init_lora_weights=False``), so the adapter changes the output."""
         a = nn.Parameter(torch.empty(r, self.base.in_features))
         nn.init.kaiming_uniform_(a, a=math.sqrt(5))
         self.lora_A[name] = a
-        self.lora_B[name] = nn.Parameter(torch.zeros(self.base.out_features, r))
+        b = nn.Parameter(torch.zeros(self.base.out_features, r))
+        if init_b:
+            nn.init.kaiming_uniform_(b, a=math.sqrt(5))
+        self.lora_B[name] = b
         self.scaling[name] = alpha / r
 
     def remove(self, name: str) -> None:
@@ -134,7 +138,8 @@ class ReferenceModel(TorchTwinkleModel):
                 if child_name in targets and isinstance(child, nn.Linear):
                     setattr(mod, child_name, LoRALinear(child))
         for _, layer in self._lora_layers():
-            layer.add(adapter_name, int(config.get("r", 4)), float(config.get("lora_alpha", 8)))
+            layer.add(adapter_name, int(config.get("r", 4)), float(config.get("lora_alpha", 8)),
+                      init_b=config.get("init_lora_weights", True) is False)
         if not self._adapters:  # first adapter: the base becomes frozen
             for name, p in self.module.named_parameters():
                 p.requires_grad_(".lora_" in name)
@@ -154,6 +159,10 @@ class ReferenceModel(TorchTwinkleModel):
         finally:
             for layer in layers:
                 layer.active = None
+
+    def _adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
+        # no active adapter is the base model; every forward activates its adapter afresh
+        return self._adapter_context(None)
 
     def _adapter_parameter_names(self, adapter_name: str) -> list[str]:
         return [n for n, _ in self.module.named_parameters()

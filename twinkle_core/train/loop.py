@@ -71,6 +71,7 @@ from typing import Any
 from twinkle_core import distributed
 from twinkle_core.checkpoint import checkpoint_name, latest_checkpoint, prune_checkpoints
 from twinkle_core.errors import ConfigError, TwinkleError
+from twinkle_core.metrics import LossMetric
 from twinkle_core.train.logging import TrainLogger
 from twinkle_core.train.progress import progress_bar, progress_enabled
 from twinkle_core.train.recipe import (
@@ -311,6 +312,12 @@ class Trainer:
                             weight_decay=r.optimizer.weight_decay, **r.optimizer.options)
 
         self.dp_rank, self.dp_size = self._data_parallel_coords()
+        # before any resume: what a task precomputes with the model (reference log-probs) uses its initial weights
+        self.train_dataset = self.task.prepare_dataset(model, self.train_dataset, split="train",
+                                                       output_dir=str(self.output_dir))
+        if self.eval_dataset is not None:
+            self.eval_dataset = self.task.prepare_dataset(model, self.eval_dataset, split="eval",
+                                                          output_dir=str(self.output_dir))
         self.loader = self._make_loader(self.train_dataset, shuffle=r.data.shuffle)
         micro_batches = len(self.loader)
         ga = r.train.gradient_accumulation_steps
@@ -470,14 +477,21 @@ class Trainer:
         metrics: dict[str, float] = {}
         if self.eval_dataset is not None:
             loss_sum = tokens = 0.0
+            loss_metrics = LossMetric()  # the loss's own metrics (DPO rewards ...), weighted like the loss
             for batch in self._make_loader(self.eval_dataset, shuffle=False):
+                batch = self.task.prepare_batch(model, batch)
                 outputs = model.forward_only(inputs=batch, adapter_name=name)
                 result = model.calculate_loss(inputs=batch, outputs=outputs, adapter_name=name)
                 batch_loss, batch_tokens = _loss_and_tokens(result)
                 loss_sum += batch_loss
                 tokens += batch_tokens
-            loss_sum, tokens = self._global_sum(loss_sum, tokens)
+                if hasattr(result, "metrics"):
+                    loss_metrics.update(batch, outputs, result)
+            names = sorted(loss_metrics.metric_sums)
+            loss_sum, tokens, *sums = self._global_sum(loss_sum, tokens, *(loss_metrics.metric_sums[n] for n in names))
             metrics["eval_loss"] = loss_sum / tokens if tokens else float("nan")
+            for key, value in zip(names, sums, strict=True):
+                metrics[f"eval_{key}"] = value / tokens if tokens else float("nan")
             if tokens and math.isfinite(metrics["eval_loss"]) and metrics["eval_loss"] < 50:
                 metrics["eval_ppl"] = math.exp(metrics["eval_loss"])
         extra: dict[str, Any] = {}
@@ -538,7 +552,7 @@ class Trainer:
                 while self.step < self.total_steps:
                     step_loss, step_labels = 0.0, 0.0
                     for _ in range(ga):
-                        batch = self._next_batch()
+                        batch = self.task.prepare_batch(model, self._next_batch())
                         outputs = model.forward_backward(inputs=batch, adapter_name=name)
                         loss, tokens = _loss_and_tokens(outputs)
                         step_loss += loss

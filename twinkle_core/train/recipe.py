@@ -674,7 +674,29 @@ def _check_loss_options(recipe: Recipe, task: Any, plugins: Any) -> None:
     if name is None:
         raise ConfigError(f"loss.name: the task {recipe.task!r} has no default loss; set loss.name")
     loss = plugins.load("loss", name)
+    _check_loss_inputs(name, loss, recipe.task, task, plugins)
     if inspect.isclass(loss):
         check_options(loss, recipe.loss.options, where="loss.options")
     elif recipe.loss.options:  # a loss function is used as it is
         raise ConfigError(f"loss.options: the loss {name!r} is a function and takes no options; remove loss.options")
+
+
+def _check_loss_inputs(loss_name: str, loss: Any, task_name: str, task: Any, plugins: Any) -> None:
+    """A loss that reads batch features (``Loss.requires``) needs a task that provides them (``Task.provides``)."""
+    missing = set(getattr(loss, "requires", frozenset())) - set(getattr(task, "provides", frozenset()))
+    if not missing:
+        return
+    from twinkle_core.plugins import PluginLoadError
+
+    providers = []
+    for name in plugins.names("task"):
+        try:
+            provided = set(getattr(plugins.load("task", name), "provides", frozenset()))
+        except PluginLoadError:  # a broken task plugin must not hide the real problem; `twinkle plugins` reports it
+            continue
+        if missing <= provided:
+            providers.append(name)
+    hint = (f"use task: {' or '.join(repr(p) for p in providers)}" if providers
+            else "no installed task provides them")
+    raise ConfigError(f"loss.name: the loss {loss_name!r} needs batches with {', '.join(sorted(missing))}, which "
+                      f"the task {task_name!r} does not produce; {hint}")

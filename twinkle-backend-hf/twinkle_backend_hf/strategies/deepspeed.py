@@ -289,7 +289,22 @@ class DeepSpeedStrategy(Strategy):
 
     # ------------------------------------------------------------------ module
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return DeepSpeedModule(module, self)
+        wrapped = DeepSpeedModule(module, self)
+        if self.stage == 3 and not any(p.requires_grad for p in module.parameters()):
+            # A frozen model (a reference or teacher, see frozen_copy) never gets an optimizer, so no training
+            # engine would ever partition it; ZeRO-3 partitions it now in an engine without optimizer
+            # (DeepSpeed's ZeRO-Offload / ZeRO-Inference), placed like the policy. ZeRO-1/2 only partition
+            # optimizer state and gradients, which a frozen model has none of: it stays a plain replica.
+            self._create_inference_engine(wrapped)
+        return wrapped
+
+    def _create_inference_engine(self, wrapped: DeepSpeedModule) -> Any:
+        config = build_config(stage=3, offload_optimizer=False, offload_param=self.offload_param,
+                              gradient_accumulation_steps=1, bf16=self.bf16, user_config=self.user_config)
+        engine, _, _, _ = self.deepspeed.initialize(model=wrapped.module, config=config, dist_init_required=False)
+        object.__setattr__(wrapped, "engine", engine)
+        engine.eval()
+        return engine
 
     def unwrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.module if isinstance(module, DeepSpeedModule) else module

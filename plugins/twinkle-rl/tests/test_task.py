@@ -1,0 +1,418 @@
+"""The ``preference`` task: tokenisation, truncation, batch layout, and reference log-probs."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+
+import pytest
+import torch
+from twinkle_rl.data import PreferenceFeature
+from twinkle_rl.layout import PREFERENCE_PAIRS, pairs, sequence_sums
+from twinkle_rl.reference import reference_logps
+from twinkle_rl.task import PreferenceTask
+
+from twinkle_core.data.loader import DataLoader
+from twinkle_core.errors import ConfigError, DataFormatError
+from twinkle_core.loss.logprobs import token_logprobs
+
+USER = [{"role": "user", "content": "reverse: kdoq"}]
+GOOD = {"messages": USER, "chosen": "qodk", "rejected": "kdoq"}
+EOT = "<|im_end|>"
+
+
+def labelled_text(tokenizer, ids, labels):
+    return tokenizer.decode([i for i, label in zip(ids, labels, strict=True) if label != -100])
+
+
+def load(tokenizer, rows, **options):
+    task = PreferenceTask()
+    return task, task.load_dataset(rows, tokenizer, **options)
+
+
+def pair_rows(n):
+    return [{"prompt": f"reverse: {'abcdefgh'[:i + 2]}", "chosen": "abcdefgh"[:i + 2][::-1],
+             "rejected": "abcdefgh"[:i + 2]} for i in range(n)]
+
+
+# ---------------------------------------------------------------------- tokenisation
+def test_task_declares_what_the_losses_need():
+    from twinkle_core.plugins import get_plugins
+
+    assert get_plugins().load("task", "preference") is PreferenceTask
+    assert PreferenceTask.default_loss == "dpo" and PREFERENCE_PAIRS in PreferenceTask.provides
+
+
+def test_prompt_tokenised_once_and_only_answer_tokens_labelled(tokenizer):
+    _, (feature,) = load(tokenizer, [GOOD])
+    prompt_text = tokenizer.apply_chat_template(USER, tokenize=False, add_generation_prompt=True)
+    assert feature.prompt_ids == tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    chosen, rejected = feature.sequences()
+    assert labelled_text(tokenizer, chosen.input_ids, chosen.labels) == "qodk" + EOT
+    assert labelled_text(tokenizer, rejected.input_ids, rejected.labels) == "kdoq" + EOT
+    for sequence in (chosen, rejected):
+        assert sequence.input_ids[:len(feature.prompt_ids)] == feature.prompt_ids
+        assert set(sequence.labels[:len(feature.prompt_ids)]) == {-100}
+        # the whole sequence is what the chat template renders for the finished conversation
+        assert tokenizer.decode(sequence.input_ids) == tokenizer.apply_chat_template(
+            USER + [{"role": "assistant", "content": "qodk" if sequence is chosen else "kdoq"}], tokenize=False)
+
+
+def test_message_list_answer_trains_assistant_turns_only(tokenizer):
+    answer = [{"role": "assistant", "content": "calc"}, {"role": "tool", "content": "42"},
+              {"role": "assistant", "content": "it is 42"}]
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, *USER]
+    _, (feature,) = load(tokenizer, [{"messages": history, "chosen": answer, "rejected": "no"}])
+    chosen, rejected = feature.sequences()
+    # neither the earlier assistant turn of the prompt nor the tool result is trained
+    assert labelled_text(tokenizer, chosen.input_ids, chosen.labels) == f"calc{EOT}it is 42{EOT}"
+    assert labelled_text(tokenizer, rejected.input_ids, rejected.labels) == "no" + EOT
+
+
+def test_prompt_string_with_system(tokenizer):
+    _, (feature,) = load(tokenizer, [{"prompt": "reverse: ab", "system": "be brief", "chosen": "ba",
+                                      "rejected": "ab"}])
+    assert tokenizer.decode(feature.prompt_ids) == tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "reverse: ab"}],
+        tokenize=False, add_generation_prompt=True)
+
+
+def test_tokenizer_without_chat_template_is_a_clear_error(tokenizer):
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    with pytest.raises(ConfigError, match="chat template"):
+        PreferenceTask().load_dataset([GOOD], plain)
+
+
+def test_data_options_are_checked(tokenizer):
+    from twinkle_core.options import check_options
+
+    with pytest.raises(ConfigError, match="mode: chat"):
+        PreferenceTask().load_dataset([GOOD], tokenizer, mode="pretrain")
+    with pytest.raises(ConfigError, match="over_length"):
+        PreferenceTask(over_length="cut")
+    with pytest.raises(ConfigError, match="reference"):
+        PreferenceTask(reference="base")
+    check_options(PreferenceTask().load_dataset, {"over_length": "skip"}, where="data.options", positional=2)
+    with pytest.raises(ConfigError, match="over_lenght"):
+        check_options(PreferenceTask, {"over_lenght": "skip"}, where="task_options")
+
+
+# ---------------------------------------------------------------------- truncation
+def _full(tokenizer, row):
+    return load(tokenizer, [row])[1][0]
+
+
+def test_long_prompt_is_cut_from_its_start_identically_for_both(tokenizer, caplog):
+    row = {"prompt": "reverse: " + "abc" * 20, "chosen": "xyz", "rejected": "uvwxyz"}
+    full = _full(tokenizer, row)
+    limit = full.longest - 10
+    with caplog.at_level(logging.WARNING, logger="twinkle.rl"):
+        task, (cut, _) = load(tokenizer, [row, GOOD], max_length=limit)
+    assert cut.prompt_ids == full.prompt_ids[10:]  # the end of the prompt (the turn being answered) stays
+    assert (cut.chosen_ids, cut.rejected_ids) == (full.chosen_ids, full.rejected_ids)
+    assert all(len(s) <= limit for s in cut.sequences())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "1 of 2 pairs are longer than max_length" in warnings[0]
+    assert "1 truncated" in warnings[0] and "0 skipped" in warnings[0]
+    assert task.stats == {"pairs": 2, "truncated": 1, "skipped_over_length": 0}
+
+
+def test_long_answers_are_cut_to_the_same_length(tokenizer):
+    row = {"prompt": "hi", "chosen": "q" * 60, "rejected": "r" * 50}
+    full = _full(tokenizer, row)
+    limit = 40
+    assert len(full.prompt_ids) < limit // 2
+    (cut,) = load(tokenizer, [row], max_length=limit)[1]
+    keep = limit - len(full.prompt_ids)
+    assert cut.prompt_ids == full.prompt_ids
+    assert cut.chosen_ids == full.chosen_ids[:keep] and cut.rejected_ids == full.rejected_ids[:keep]
+    assert cut.chosen_labels == full.chosen_labels[:keep] and cut.rejected_labels == full.rejected_labels[:keep]
+    assert [len(s) for s in cut.sequences()] == [limit, limit]
+
+
+def test_long_prompt_and_answers_keep_half_the_length_for_the_prompt(tokenizer):
+    row = {"prompt": "p" * 80, "chosen": "q" * 60, "rejected": "r" * 70}
+    full = _full(tokenizer, row)
+    (cut,) = load(tokenizer, [row], max_length=32)[1]
+    assert cut.prompt_ids == full.prompt_ids[-16:]
+    assert cut.chosen_ids == full.chosen_ids[:16] and cut.rejected_ids == full.rejected_ids[:16]
+    for sequence in cut.sequences():
+        assert len(sequence) == 32 and sum(label != -100 for label in sequence.labels) == 16
+
+
+def test_skip_drops_long_pairs_and_counts_them(tokenizer, caplog):
+    long_row = {"prompt": "reverse: " + "abc" * 20, "chosen": "x", "rejected": "y"}
+    limit = _full(tokenizer, GOOD).longest
+    with caplog.at_level(logging.WARNING, logger="twinkle.rl"):
+        task, features = load(tokenizer, [GOOD, long_row, long_row], max_length=limit, over_length="skip")
+    assert len(features) == 1 and task.stats["skipped_over_length"] == 2
+    assert any("2 skipped" in r.getMessage() for r in caplog.records)
+    with pytest.raises(DataFormatError, match="over_length=skip drops them all"):
+        PreferenceTask(over_length="skip").load_dataset([long_row], tokenizer, max_length=limit)
+
+
+# ---------------------------------------------------------------------- batches
+def test_padded_layout(tokenizer):
+    task, features = load(tokenizer, pair_rows(3))
+    batch = task.collate(features)
+    assert batch["input_ids"].shape[0] == 6 and "position_ids" not in batch and "sequence_index" not in batch
+    assert batch["pair_index"].tolist() == [0, 0, 1, 1, 2, 2]
+    assert batch["is_chosen"].tolist() == [True, False] * 3
+    sequences = [s for f in features for s in f.sequences()]
+    pad = tokenizer.pad_token_id
+    for row, sequence in enumerate(sequences):
+        n = len(sequence)
+        assert batch["attention_mask"][row].tolist() == [1] * n + [0] * (batch["input_ids"].shape[1] - n)
+        assert batch["input_ids"][row, :n].tolist() == sequence.input_ids
+        assert set(batch["input_ids"][row, n:].tolist()) <= {pad}
+        assert batch["labels"][row, :n].tolist() == sequence.labels and set(batch["labels"][row, n:].tolist()) <= {-100}
+    assert pairs(batch, "test").chosen.tolist() == [0, 2, 4]
+
+
+def test_packed_layout(tokenizer):
+    task = PreferenceTask(pad_to_multiple_of=64)
+    features = task.load_dataset(pair_rows(2), tokenizer, packing=True)
+    batch = task.collate(features)
+    lengths = [len(s) for f in features for s in f.sequences()]
+    width = -(-sum(lengths) // 64) * 64
+    assert width > sum(lengths)  # there is padding to check
+    assert "attention_mask" not in batch and batch["input_ids"].shape == (1, width)
+    expected_index, expected_positions = [], []
+    for index, n in enumerate(lengths):
+        expected_index += [index] * n
+        expected_positions += list(range(n))
+    total = sum(lengths)
+    assert batch["sequence_index"][0].tolist() == expected_index + [-1] * (width - total)
+    assert batch["position_ids"][0, :total].tolist() == expected_positions
+    assert batch["labels"][0, total:].eq(-100).all()
+    assert batch["pair_index"].tolist() == [0, 0, 1, 1] and batch["is_chosen"].tolist() == [True, False, True, False]
+
+
+def test_precomputed_ref_logps_pass_through(tokenizer):
+    task, features = load(tokenizer, pair_rows(2))
+    cached = [PreferenceFeature(**{**f.__dict__, "ref_logps": (-1.0 - i, -2.0 - i)}) for i, f in enumerate(features)]
+    assert task.collate(cached)["ref_logps"].tolist() == [-1.0, -2.0, -2.0, -3.0]
+    with pytest.raises(ValueError, match="for every pair or for none"):
+        task.collate([cached[0], features[1]])
+    assert "ref_logps" not in task.collate(features)
+
+
+def test_packed_and_padded_give_the_same_sequence_logps(tokenizer):
+    from twinkle_backend_hf.testing import make_tiny_model, tiny_qwen2_config
+
+    model = make_tiny_model(config=tiny_qwen2_config(vocab_size=262))
+    padded_task, features = load(tokenizer, pair_rows(3))
+    packed_task = PreferenceTask(packing=True)
+    packed_task.load_dataset(pair_rows(3), tokenizer)
+    results = []
+    for task in (padded_task, packed_task):
+        batch = task.collate(features)
+        logits = model.forward_only(inputs=batch)["logits"].float()
+        logps, mask = token_logprobs(logits, batch["labels"])
+        sums, counts = sequence_sums(logps, mask, batch, 6)
+        results.append((sums, counts))
+    (padded, padded_counts), (packed, packed_counts) = results
+    assert padded_counts.tolist() == packed_counts.tolist()
+    torch.testing.assert_close(packed, padded, rtol=1e-4, atol=1e-4)
+
+
+def test_data_parallel_split_never_splits_a_pair(tokenizer):
+    task, features = load(tokenizer, pair_rows(6))
+    prompt_of = {tuple(f.prompt_ids): f for f in features}
+    seen = []
+    for rank in range(2):
+        loader = DataLoader(features, 2, task.collate, shuffle=True, seed=3, dp_rank=rank, dp_size=2)
+        for batch in loader:
+            layout = pairs(batch, "test")
+            for c, r in zip(layout.chosen.tolist(), layout.rejected.tolist(), strict=True):
+                ids_c, ids_r = batch["input_ids"][c].tolist(), batch["input_ids"][r].tolist()
+                feature = next(f for p, f in prompt_of.items() if ids_c[:len(p)] == list(p))
+                chosen, rejected = feature.sequences()
+                assert ids_c[:len(chosen)] == chosen.input_ids and ids_r[:len(rejected)] == rejected.input_ids
+                seen.append(feature.line)
+    assert sorted(seen) == [f.line for f in features]
+
+
+# ---------------------------------------------------------------------- reference log-probs
+class FakeModel:
+    """Logits looked up from a random table by input id: enough to tell which network ran."""
+
+    def __init__(self, *, adapters=(), loss=None, step=0, seed=0):
+        self.table = torch.randn(262, 262, generator=torch.Generator().manual_seed(seed))
+        self.adapters, self.loss, self.step = list(adapters), loss, step
+        self.calls, self.copies = [], []
+
+    def get_train_configs(self, *, adapter_name=None):
+        return {"adapters": self.adapters, "loss": self.loss, "step": self.step}
+
+    def forward_only(self, *, inputs, adapter_name=None, disable_adapters=False):
+        self.calls.append({"adapter_name": adapter_name, "disable_adapters": disable_adapters})
+        table = self.table * 0.5 if disable_adapters else self.table  # "the adapter" changes the logits
+        return {"logits": table[inputs["input_ids"]]}
+
+    def frozen_copy(self):
+        frozen = FakeModel()
+        frozen.table = self.table.clone()
+        self.copies.append(frozen)
+        return frozen
+
+
+def expected_ref(table, batch):
+    """Per-sequence sums written out token by token (padded batches)."""
+    out = []
+    for row in range(batch["input_ids"].shape[0]):
+        logp = torch.log_softmax(table[batch["input_ids"][row]].double(), -1)
+        total = sum(logp[t - 1, batch["input_ids"][row, t]] for t in range(1, batch["input_ids"].shape[1])
+                    if batch["labels"][row, t] != -100)
+        out.append(float(total))
+    return torch.tensor(out)
+
+
+@pytest.fixture
+def pair_batch(tokenizer):
+    task, features = load(tokenizer, pair_rows(2))
+    return task.collate(features)
+
+
+def test_adapter_reference_runs_the_base_model(pair_batch):
+    model, task = FakeModel(adapters=["default"]), PreferenceTask(reference="adapter")
+    task.prepare_model(model)
+    batch = task.prepare_batch(model, pair_batch)
+    assert model.calls == [{"adapter_name": "default", "disable_adapters": True}]
+    assert batch["ref_logps"].dtype == torch.float32 and batch["ref_logps"].shape == (4,)
+    torch.testing.assert_close(batch["ref_logps"], expected_ref(model.table * 0.5, pair_batch).float())
+    assert "ref_logps" not in pair_batch  # the collated batch itself is left alone
+
+
+def test_adapter_reference_without_adapter_is_an_error(pair_batch):
+    with pytest.raises(ConfigError, match="needs a model with a LoRA adapter"):
+        PreferenceTask(reference="adapter").prepare_batch(FakeModel(), pair_batch)
+
+
+def test_model_reference_keeps_the_weights_of_prepare_model(pair_batch):
+    model, task = FakeModel(), PreferenceTask(reference="model")
+    task.prepare_model(model)
+    initial = model.table.clone()
+    model.table += 1.0  # training (or a resumed checkpoint) changes the policy afterwards
+    batch = task.prepare_batch(model, pair_batch)
+    assert len(model.copies) == 1 and model.calls == [] and len(model.copies[0].calls) == 1
+    torch.testing.assert_close(batch["ref_logps"], expected_ref(initial, pair_batch).float())
+    task.prepare_batch(model, pair_batch)
+    assert len(model.copies) == 1  # one copy for the whole run
+
+
+def test_model_reference_needs_prepare_model(pair_batch):
+    with pytest.raises(ConfigError, match="prepare_model"):
+        PreferenceTask(reference="model").prepare_batch(FakeModel(), pair_batch)
+
+
+def test_none_reference_adds_nothing(pair_batch):
+    model = FakeModel()
+    task = PreferenceTask(reference="none")
+    task.prepare_model(model)
+    assert task.prepare_batch(model, pair_batch) is pair_batch and model.calls == [] and model.copies == []
+
+
+def test_precomputed_ref_logps_are_kept(pair_batch):
+    model, cached = FakeModel(adapters=["default"]), {**pair_batch, "ref_logps": torch.zeros(4)}
+    assert PreferenceTask().prepare_batch(model, cached) is cached and model.calls == []
+
+
+@pytest.mark.parametrize(("model", "provider"), [
+    (FakeModel(adapters=["default"], loss={"name": "dpo"}), "adapter"),
+    (FakeModel(loss={"name": "simpo"}), "none"),
+    (FakeModel(loss={"name": "orpo"}), "none"),
+    (FakeModel(loss={"name": "dpo", "reference_free": True}), "none"),
+    (FakeModel(loss={"name": "dpo"}), "model"),
+    (FakeModel(), "model"),
+])
+def test_auto_reference(pair_batch, model, provider):
+    task = PreferenceTask()
+    task.prepare_model(model)  # the trainer adds the adapter and sets the loss only after this
+    assert task.provider is None or provider == "adapter"
+    batch = task.prepare_batch(model, pair_batch)
+    assert task.provider.name == provider
+    assert ("ref_logps" in batch) == (provider != "none")
+    assert len(model.copies) == (provider == "model")
+
+
+def test_auto_reference_decided_in_prepare_model_when_the_adapter_exists(pair_batch):
+    model, task = FakeModel(adapters=["default"]), PreferenceTask()
+    task.prepare_model(model)
+    assert task.provider.name == "adapter"
+
+
+def test_auto_reference_refuses_a_late_frozen_copy_of_a_resumed_run(pair_batch):
+    with pytest.raises(ConfigError, match="reference: model"):
+        PreferenceTask().prepare_batch(FakeModel(step=5), pair_batch)
+
+
+# ---------------------------------------------------------------------- with a real (tiny) model
+def _tiny():
+    from twinkle_backend_hf.testing import make_tiny_model, tiny_qwen2_config
+
+    return make_tiny_model(config=tiny_qwen2_config(vocab_size=262))
+
+
+def test_adapter_reference_through_the_hf_backend(pair_batch):
+    model = _tiny()
+    if "disable_adapters" not in inspect.signature(model.forward_only).parameters:
+        pytest.skip("this backend's forward_only has no disable_adapters yet")
+    model.add_adapter_to_model("default", {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+    with torch.no_grad():  # LoRA starts as the identity; make the adapter matter
+        for name, parameter in model.module.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    task = PreferenceTask()
+    task.prepare_model(model)
+    batch = task.prepare_batch(model, pair_batch)
+    base = reference_logps(_tiny().forward_only(inputs=pair_batch)["logits"], pair_batch)
+    policy = reference_logps(model.forward_only(inputs=pair_batch)["logits"], pair_batch)
+    assert task.provider.name == "adapter"
+    torch.testing.assert_close(batch["ref_logps"], base, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(policy, base, atol=1e-3)
+
+
+def test_model_reference_through_the_hf_backend(pair_batch):
+    model = _tiny()
+    if not hasattr(model, "frozen_copy"):
+        pytest.skip("this backend has no frozen_copy yet")
+    task = PreferenceTask(reference="model")
+    task.prepare_model(model)
+    with torch.no_grad():
+        for parameter in model.module.parameters():
+            parameter.add_(0.05)
+    batch = task.prepare_batch(model, pair_batch)
+    initial = reference_logps(_tiny().forward_only(inputs=pair_batch)["logits"], pair_batch)
+    torch.testing.assert_close(batch["ref_logps"], initial, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_dpo_starts_at_log2_and_packing_changes_nothing(tokenizer, lora):
+    """Before any step the policy is its own reference, so DPO's first loss is exactly log 2 (this checks that
+    the reference log-probs line up with the policy's, sequence by sequence); packed batches train the same."""
+    import math
+
+    losses = {}
+    for packing in (False, True):
+        task = PreferenceTask(packing=packing)
+        features = task.load_dataset(pair_rows(4), tokenizer)
+        model = _tiny()
+        task.prepare_model(model)
+        name = None
+        if lora:
+            name = "default"
+            model.add_adapter_to_model(name, {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]})
+        model.set_loss("dpo", adapter_name=name)
+        model.set_optimizer("AdamW", adapter_name=name, lr=1e-2)
+        losses[packing] = []
+        for _ in range(2):
+            batch = task.prepare_batch(model, task.collate(features))
+            losses[packing].append(float(model.forward_backward(inputs=batch, adapter_name=name)["loss"]))
+            model.clip_grad_and_step(adapter_name=name)
+        assert task.provider.name == ("adapter" if lora else "model")
+    assert losses[False][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert losses[False][1] < losses[False][0]
+    assert losses[True] == pytest.approx(losses[False], abs=1e-5)

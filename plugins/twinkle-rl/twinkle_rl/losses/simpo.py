@@ -1,0 +1,44 @@
+"""SimPO (Meng et al. 2024): a reference-free, length-normalised pair loss with a target margin."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from twinkle_core.errors import ConfigError
+from twinkle_core.loss.base import LossContext, LossOutput
+from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE
+from twinkle_rl.losses.base import PreferenceLoss, pair_metrics, smoothed_sigmoid_loss
+
+
+class SimPOLoss(PreferenceLoss):
+    """``-log sigmoid(beta / |y_w| log pi(y_w) - beta / |y_l| log pi(y_l) - gamma)`` per pair.
+
+    The implicit reward is the mean per-token log-probability scaled by ``beta`` (no reference model); ``gamma``
+    is the target reward margin. ``label_smoothing`` ``ls`` mixes in the flipped pair as for conservative DPO:
+    ``-(1 - ls) log sigmoid(z) - ls log sigmoid(-z)``; ``sft_weight`` adds the chosen answer's mean NLL.
+
+    Metrics: ``rewards/*`` are ``beta`` x mean per-token log-probs, as in the paper; ``logps/*`` sequence sums.
+    """
+
+    name: ClassVar[str] = "simpo"
+
+    def __init__(self, beta: float = 2.0, gamma: float = 0.5, label_smoothing: float = 0.0, sft_weight: float = 0.0,
+                 ignore_index: int = -100, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        super().__init__(sft_weight=sft_weight, ignore_index=ignore_index, chunk_size=chunk_size)
+        if beta <= 0:
+            raise ConfigError(f"beta must be positive, got {beta}")
+        if not 0.0 <= label_smoothing <= 0.5:
+            raise ConfigError(f"label_smoothing must be in [0, 0.5], got {label_smoothing}")
+        self.beta = float(beta)
+        self.gamma = float(gamma)
+        self.label_smoothing = float(label_smoothing)
+
+    def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
+                 context: LossContext | None = None) -> LossOutput:
+        logps = self.pair_logps(outputs, inputs, context)
+        chosen_rewards = self.beta * logps.chosen_mean
+        rejected_rewards = self.beta * logps.rejected_mean
+        losses = smoothed_sigmoid_loss(chosen_rewards - rejected_rewards - self.gamma, self.label_smoothing)
+        metrics = pair_metrics(chosen_rewards, rejected_rewards, logps)
+        losses = losses + self.sft_term(logps, metrics)
+        return LossOutput(loss=losses.sum(), num_tokens=len(logps), metrics=metrics)

@@ -1,0 +1,190 @@
+"""The ``preference`` task: answer pairs (chosen / rejected) for DPO-family losses.
+
+Rows and their validation: :mod:`twinkle_rl.data`. Batches: :mod:`twinkle_rl.layout` (``2P`` sequences
+for ``P`` pairs, pair by pair). A dataset feature is one whole pair, so data-parallel sharding and
+batching by feature never split a pair; ``data.batch_size`` counts pairs.
+
+``task_options`` (all optional):
+
+* ``reference``: ``auto`` (default), ``adapter``, ``model``, ``precomputed`` or ``none``: where the reference
+  log-probabilities come from (see :mod:`twinkle_rl.reference`);
+* ``over_length``: a pair longer than ``max_length``: ``truncate`` (default; the same cuts on both
+  sequences: the shared prompt from its start, then both answers from their ends) or ``skip``;
+* ``max_length``, ``packing``, ``pad_to_multiple_of``: defaults for the data options of the same name;
+* ``adapter_name``: the adapter (tenant) this task trains, for a model with several adapters (a
+  ``MultiLoraTransformersModel`` with one task per tenant): the ``adapter`` and ``precomputed`` references
+  run that tenant's base model. Default: the model's only adapter.
+
+Data options (``load_dataset`` keyword arguments, the recipe's ``data.*``): ``max_length`` (of each
+sequence: prompt + one answer), ``packing`` (every sequence of a batch in one padding-free row of
+``position_ids`` resets, so a row holds up to ``2 * batch_size`` sequences), ``over_length``, and
+``mode`` (only ``chat``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from twinkle_core.data.formats import RowError
+from twinkle_core.data.template import Template
+from twinkle_core.errors import ConfigError, DataFormatError
+from twinkle_core.task import Task
+from twinkle_rl.data import (
+    OVER_LENGTH,
+    PreferenceFeature,
+    collate_pairs,
+    encode_pair,
+    read_preference_rows,
+    truncate_pair,
+)
+from twinkle_rl.layout import PREFERENCE_PAIRS
+from twinkle_rl.precompute import precompute_reference
+from twinkle_rl.reference import (
+    REFERENCES,
+    ReferenceProvider,
+    base_logits,
+    make_reference,
+    reference_logps,
+    resolve_auto,
+    train_configs,
+)
+
+logger = logging.getLogger("twinkle.rl")
+
+
+def _no_chat_template(tokenizer: Any) -> ConfigError:
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    return ConfigError(f"the preference task renders prompts and answers with the tokenizer's chat template, but "
+                       f"the tokenizer {name!r} has none; set model.tokenizer to one that has (e.g. the model's "
+                       f"instruct/chat version)")
+
+
+class PreferenceTask(Task):
+    name = "preference"
+    default_loss = "dpo"
+    model_kind = "causal_lm"
+    provides = frozenset({PREFERENCE_PAIRS})
+
+    def __init__(self, *, reference: str = "auto", over_length: str = "truncate", max_length: int | None = None,
+                 packing: bool = False, pad_to_multiple_of: int | None = None,
+                 adapter_name: str | None = None) -> None:
+        if reference not in REFERENCES:
+            raise ConfigError(f"task_options.reference must be one of {', '.join(REFERENCES)}, got {reference!r}")
+        if over_length not in OVER_LENGTH:
+            raise ConfigError(f"task_options.over_length must be one of {', '.join(OVER_LENGTH)}, "
+                              f"got {over_length!r}")
+        super().__init__(reference=reference, over_length=over_length, max_length=max_length, packing=packing,
+                         pad_to_multiple_of=pad_to_multiple_of, adapter_name=adapter_name)
+        self.reference = reference
+        self.adapter_name = adapter_name
+        self.provider: ReferenceProvider | None = (None if reference in ("auto", "precomputed")
+                                                   else make_reference(reference, adapter_name=adapter_name))
+        self.pad_token_id: int | None = None
+        self.packing = bool(packing)
+        #: counts of the last load_dataset: pairs kept, truncated, skipped for their length
+        self.stats: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ data
+    def load_dataset(self, path: Any, tokenizer: Any, *, max_length: int | None = None, mode: str | None = None,
+                     packing: bool | None = None, over_length: str | None = None) -> list[PreferenceFeature]:
+        """Read pairs (a .jsonl/.json/.parquet/.csv file, or a list of dicts) into tokenised pairs."""
+        if mode not in (None, "chat"):
+            raise ConfigError(f"data.mode: the preference task reads chat pairs (mode: chat), got {mode!r}")
+        max_length = max_length if max_length is not None else self.options["max_length"]
+        over_length = over_length if over_length is not None else self.options["over_length"]
+        if over_length not in OVER_LENGTH:
+            raise ConfigError(f"over_length must be one of {', '.join(OVER_LENGTH)}, got {over_length!r}")
+        if max_length is not None and max_length < 2:
+            raise ConfigError(f"max_length must be at least 2 to hold a prompt and an answer, got {max_length}")
+        if not getattr(tokenizer, "chat_template", None):
+            raise _no_chat_template(tokenizer)
+        template = Template(tokenizer, mode="chat")  # no max_length: pairs are cut together below
+        self.pad_token_id = template.pad_token_id
+        self.packing = bool(packing if packing is not None else self.options["packing"])
+
+        source, rows, _ = read_preference_rows(path)
+        features, truncated, skipped = [], 0, 0
+        for row in rows:
+            try:
+                feature = encode_pair(template, row)
+            except RowError as exc:  # TemplateError too: the template cannot locate this row's answers
+                raise DataFormatError(source, row.line, str(exc)) from None
+            if max_length is not None and feature.longest > max_length:
+                if over_length == "skip":
+                    skipped += 1
+                    continue
+                feature = truncate_pair(feature, max_length)
+                truncated += 1
+            features.append(feature)
+        if truncated or skipped:
+            logger.warning("%s: %d of %d pairs are longer than max_length=%s: %d truncated (the same cuts on both "
+                           "answers), %d skipped (over_length=%s)", source, truncated + skipped, len(rows),
+                           max_length, truncated, skipped, over_length)
+        if not features:
+            raise DataFormatError(source, None, f"every pair is longer than max_length={max_length} and "
+                                                f"over_length=skip drops them all; raise data.max_length")
+        self.stats = {"pairs": len(features), "truncated": truncated, "skipped_over_length": skipped}
+        return features
+
+    def collate(self, features: list[Any]) -> dict[str, Any]:
+        if self.pad_token_id is None:
+            raise RuntimeError("PreferenceTask.collate needs the pad token id: call load_dataset first")
+        return collate_pairs(features, self.pad_token_id, packing=self.packing,
+                             pad_to_multiple_of=self.options["pad_to_multiple_of"])
+
+    # ------------------------------------------------------------------ reference
+    def prepare_model(self, model: Any) -> None:
+        """Make the reference before training: the frozen copy must hold the initial weights, so it is made
+        here, before a resumed run loads its checkpoint."""
+        if self.provider is None and train_configs(model).get("adapters"):
+            # a script that adds the adapter first: decided now
+            self.provider = make_reference("adapter", adapter_name=self.adapter_name)
+        if self.provider is not None:
+            self.provider.prepare(model)
+
+    def _resolve(self, model: Any) -> ReferenceProvider:
+        """``auto``, decided once the adapter and loss are set (``prepare_dataset``, or the first batch)."""
+        if self.provider is None:
+            if self.reference == "precomputed":
+                raise ConfigError("task_options.reference: precomputed: this batch carries no precomputed reference "
+                                  "log-probs; call task.prepare_dataset(model, features, split=..., output_dir=...) "
+                                  "on the data set before training (twinkle train does)")
+            choice = resolve_auto(model)
+            step = int(train_configs(model).get("step") or 0)
+            if choice == "model" and step > 0:
+                raise ConfigError(
+                    f"task_options.reference is auto and this full fine-tuning run starts at step {step} (resumed): "
+                    f"a frozen reference made now would hold trained weights, not the initial ones. Set "
+                    f"task_options.reference: model, which copies the weights before the checkpoint is loaded")
+            provider = make_reference(choice, adapter_name=self.adapter_name)
+            provider.prepare(model)
+            logger.info("preference task: reference auto -> %s", choice)
+            self.provider = provider
+        return self.provider
+
+    def prepare_dataset(self, model: Any, dataset: Any, *, split: str, output_dir: str) -> Any:
+        """Decide ``auto`` and make the reference now that the adapter and loss are set and no checkpoint is
+        loaded yet; with ``reference: precomputed``, annotate every pair with its reference log-probs."""
+        if self.reference == "precomputed":
+            import torch
+
+            def reference(batch: dict[str, Any]) -> torch.Tensor:
+                with torch.no_grad():
+                    return reference_logps(base_logits(model, batch, self.adapter_name), batch)
+
+            return precompute_reference(dataset, model=model, collate=self.collate, reference=reference, split=split,
+                                        output_dir=output_dir)
+        if split == "train":
+            self._resolve(model)
+        return dataset
+
+    def prepare_batch(self, model: Any, batch: dict[str, Any]) -> dict[str, Any]:
+        """Add the reference log-probabilities ``ref_logps`` [S] unless the batch carries them already."""
+        if batch.get("ref_logps") is not None:
+            return batch
+        ref_logps = self._resolve(model).ref_logps(model, batch)
+        return batch if ref_logps is None else {**batch, "ref_logps": ref_logps}
+
+
+__all__ = ["PreferenceTask"]
