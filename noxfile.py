@@ -12,7 +12,7 @@ import os
 import nox
 
 nox.options.default_venv_backend = "none"
-nox.options.sessions = ["lint", "core", "hf", "megatron", "embedding", "conformance"]
+nox.options.sessions = ["lint", "core", "hf", "megatron", "embedding", "rl", "conformance"]
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
@@ -66,6 +66,12 @@ def megatron(session: nox.Session) -> None:
 @nox.session
 def embedding(session: nox.Session) -> None:
     _pytest(session, "plugins/twinkle-embedding/tests", "-m", "not slow")
+
+
+@nox.session
+def rl(session: nox.Session) -> None:
+    """plugins/twinkle-rl: preference data, task, losses, the CLI end to end and the cross-backend runs."""
+    _pytest(session, "plugins/twinkle-rl/tests", "-m", "not slow")
 
 
 @nox.session(name="conformance")

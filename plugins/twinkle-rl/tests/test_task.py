@@ -416,3 +416,27 @@ def test_dpo_starts_at_log2_and_packing_changes_nothing(tokenizer, lora):
     assert losses[False][0] == pytest.approx(math.log(2), abs=1e-6)
     assert losses[False][1] < losses[False][0]
     assert losses[True] == pytest.approx(losses[False], abs=1e-5)
+
+
+def test_precomputed_reference_never_falls_back_to_computing_per_batch(pair_batch, tmp_path):
+    model, task = FakeModel(adapters=["default"]), PreferenceTask(reference="precomputed")
+    task.prepare_model(model)  # a script that adds its adapter first
+    with pytest.raises(ConfigError, match="prepare_dataset"):
+        task.prepare_batch(model, pair_batch)
+    assert model.calls == []
+
+
+def test_precomputed_reference_is_cached_and_reused(tokenizer, tmp_path):
+    task = PreferenceTask(reference="precomputed")
+    features = task.load_dataset(pair_rows(3), tokenizer)
+    model = FakeModel(adapters=["default"])
+    annotated = task.prepare_dataset(model, features, split="train", output_dir=str(tmp_path))
+    assert len(model.calls) == 1 and model.calls[0]["disable_adapters"]  # one pass, with the base model
+    expected = expected_ref(model.table * 0.5, task.collate(features))
+    assert [v for f in annotated for v in f.ref_logps] == pytest.approx(expected.tolist(), rel=1e-6)
+    again = task.prepare_dataset(model, features, split="train", output_dir=str(tmp_path))
+    assert len(model.calls) == 1 and [f.ref_logps for f in again] == [f.ref_logps for f in annotated]
+    changed = task.prepare_dataset(model, features[:2], split="train", output_dir=str(tmp_path))
+    assert len(model.calls) == 2 and len(changed) == 2  # other data: computed again
+    batch = task.collate(annotated)
+    assert task.prepare_batch(model, batch) is batch and len(model.calls) == 2

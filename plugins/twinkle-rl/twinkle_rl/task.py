@@ -137,7 +137,7 @@ class PreferenceTask(Task):
     def prepare_model(self, model: Any) -> None:
         """Make the reference before training: the frozen copy must hold the initial weights, so it is made
         here, before a resumed run loads its checkpoint."""
-        if self.provider is None and train_configs(model).get("adapters"):
+        if self.provider is None and self.reference == "auto" and train_configs(model).get("adapters"):
             # a script that adds the adapter first: decided now
             self.provider = make_reference("adapter", adapter_name=self.adapter_name)
         if self.provider is not None:
