@@ -58,7 +58,8 @@ def _recipe(root: Path, mode: str) -> Path:
                  "batch_size": 4},
         "loss": loss, "optimizer": {"name": "AdamW", "lr": 1.0e-2 if mode == "lora" else 3.0e-3},
         "train": {"max_steps": STEPS, "seed": 0, "log_every": 1, "save_every": 6, "eval_every": STEPS,
-                  "eval_before_training": True, "output_dir": str(root / "out")},
+                  "eval_before_training": True, "evaluate_options": {"max_new_tokens": 8},
+                  "output_dir": str(root / "out")},
     }
     path = root / "recipe.yaml"
     path.write_text(json.dumps(recipe))  # JSON is YAML
@@ -96,6 +97,7 @@ def test_preference_training_from_the_cli(tmp_path, mode):
         assert key in train[0]
     evals = [r for r in _records(out, "eval") if "eval_rewards/accuracies" in r]
     assert len(evals) == 2 and evals[-1]["eval_rewards/margins"] > evals[0]["eval_rewards/margins"]
+    assert all(0 <= e["eval_preferred_rate"] + e["eval_rejected_rate"] <= 1 for e in evals)
     if mode in ("lora", "full"):
         assert "eval_rewards/accuracies" in evals[0] and evals[0]["eval_rewards/margins"] == pytest.approx(0, abs=1e-6)
     if mode == "precomputed":

@@ -440,3 +440,21 @@ def test_precomputed_reference_is_cached_and_reused(tokenizer, tmp_path):
     assert len(model.calls) == 2 and len(changed) == 2  # other data: computed again
     batch = task.collate(annotated)
     assert task.prepare_batch(model, batch) is batch and len(model.calls) == 2
+
+
+def test_evaluate_counts_generations_that_give_the_chosen_or_the_rejected_answer(tokenizer, monkeypatch):
+    import twinkle_core.tasks.causal_lm as causal_lm
+
+    task = PreferenceTask()
+    features = task.load_dataset(pair_rows(3), tokenizer)
+    answers = [features[0].chosen_ids, features[1].rejected_ids, tokenizer.encode("something else")]
+    seen = []
+
+    def fake_generate(model, prompts, **options):
+        seen.append([list(p) for p in prompts])
+        return [list(a) for a in answers[:len(prompts)]]
+
+    monkeypatch.setattr(causal_lm, "greedy_generate", fake_generate)
+    result = task.evaluate(object(), features, tokenizer, max_new_tokens=4)
+    assert result == {"preferred_rate": pytest.approx(1 / 3), "rejected_rate": pytest.approx(1 / 3), "num_examples": 3}
+    assert seen == [[f.prompt_ids for f in features]]  # the prompts end with the generation prompt

@@ -100,6 +100,7 @@ class PreferenceTask(Task):
         if not getattr(tokenizer, "chat_template", None):
             raise _no_chat_template(tokenizer)
         template = Template(tokenizer, mode="chat")  # no max_length: pairs are cut together below
+        self.template = template
         self.pad_token_id = template.pad_token_id
         self.packing = bool(packing if packing is not None else self.options["packing"])
 
@@ -132,6 +133,40 @@ class PreferenceTask(Task):
             raise RuntimeError("PreferenceTask.collate needs the pad token id: call load_dataset first")
         return collate_pairs(features, self.pad_token_id, packing=self.packing,
                              pad_to_multiple_of=self.options["pad_to_multiple_of"])
+
+    def evaluate(self, model: Any, dataset: Any, tokenizer: Any, *, max_new_tokens: int = 32, batch_size: int = 8,
+                 limit: int | None = None) -> dict[str, float]:
+        """How often greedy generation gives the chosen answer (``preferred_rate``) or the rejected one.
+
+        ``dataset``: the pairs from ``load_dataset`` (the recipe's ``data.eval``). Every rank decodes the
+        same prompts; with several processes decoding always takes ``max_new_tokens`` steps."""
+        from twinkle_core.distributed import world_size
+        from twinkle_core.tasks.causal_lm import greedy_generate
+
+        if dataset is None:
+            raise ConfigError("train.evaluate_options: the preference task evaluates on data.eval; set it")
+        template = getattr(self, "template", None)
+        if template is None or template.tokenizer is not tokenizer:
+            template = Template(tokenizer, mode="chat")
+        pairs = list(dataset)[: None if limit is None else int(limit)]
+        if not pairs:
+            return {"preferred_rate": 0.0, "rejected_rate": 0.0, "num_examples": 0}
+
+        def text(ids: Any) -> str:
+            return tokenizer.decode(list(ids), skip_special_tokens=True).strip()
+
+        chosen = rejected = 0
+        for begin in range(0, len(pairs), batch_size):
+            chunk = pairs[begin:begin + batch_size]
+            outputs = greedy_generate(model, [p.prompt_ids for p in chunk], max_new_tokens=max_new_tokens,
+                                      pad_token_id=template.pad_token_id, early_stop=world_size() <= 1,
+                                      stop_token_ids=sorted(template.end_of_turn_ids))
+            for pair, generated in zip(chunk, outputs, strict=True):
+                answer = text(generated)
+                chosen += int(answer == text(pair.chosen_ids))
+                rejected += int(answer == text(pair.rejected_ids))
+        return {"preferred_rate": chosen / len(pairs), "rejected_rate": rejected / len(pairs),
+                "num_examples": len(pairs)}
 
     # ------------------------------------------------------------------ reference
     def prepare_model(self, model: Any) -> None:
