@@ -136,3 +136,41 @@ def test_disk_full_is_one_clear_error(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
     checkpoint.verify_checkpoint(path)
     assert str(checkpoint.latest_checkpoint(tmp_path)) == path
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """Mount a tmpfs of a given size (needs CAP_SYS_ADMIN; skipped with the reason otherwise)."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size_bytes: int):
+        target = tmp_path / f"tmpfs{len(mounted)}"
+        target.mkdir()
+        pages = -(-size_bytes // 4096)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={pages * 4}k", "tmpfs", str(target)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({(done.stderr or done.stdout).strip()}); the disk-full "
+                        f"case is covered by test_disk_full_is_one_clear_error with a simulated ENOSPC")
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in mounted:
+        subprocess.run(["umount", "-l", str(target)], check=False)  # lazy: a failed writer may still hold a file
+
+
+def test_a_really_full_disk_is_one_clear_error_and_keeps_the_previous_checkpoint(tmp_path, small_tmpfs):
+    model = _model()
+    probe = _save(tmp_path / "probe", "checkpoint-1", model)
+    size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(probe) for f in files)
+    disk = small_tmpfs(int(size * 1.6))  # room for one checkpoint, not for a second one staged next to it
+    first = model.save("checkpoint-1", output_dir=str(disk), extra_state={"step": 1})
+    with pytest.raises(checkpoint.CheckpointError, match="no space left on device") as info:
+        model.save("checkpoint-2", output_dir=str(disk), extra_state={"step": 2})
+    assert str(disk) in str(info.value)
+    assert sorted(p.name for p in disk.iterdir()) == ["checkpoint-1"]  # no staging directory left behind
+    checkpoint.verify_checkpoint(first)
+    assert str(checkpoint.latest_checkpoint(disk)) == first

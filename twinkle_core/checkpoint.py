@@ -74,9 +74,11 @@ def atomic_directory(final_path: str, *, is_main: bool, metadata: dict[str, Any]
                 os.replace(staging, final_path)
             _fsync(parent)
     except BaseException as exc:
+        # judged before the staging directory is removed, which frees the space again
+        full = _is_disk_full(exc) or _out_of_space(parent)
         if is_main:
             shutil.rmtree(staging, ignore_errors=True)
-        if _is_disk_full(exc):
+        if full:
             raise CheckpointError(f"no space left on device: the disk holding {parent} is full, so checkpoint "
                                   f"{final_path} was not saved (any previous checkpoint there is intact); free "
                                   f"space or set a smaller save_total_limit") from exc
@@ -93,6 +95,19 @@ def _is_disk_full(exc: BaseException | None) -> bool:
         exc = exc.__cause__ or exc.__context__
         seen += 1
     return False
+
+
+#: a filesystem with less free space than this after a failed write is taken as full
+_FULL_BELOW_BYTES = 64 * 1024
+
+
+def _out_of_space(directory: str) -> bool:
+    """Whether ``directory``'s filesystem is (nearly) full. torch.save on a full disk raises a bare
+    RuntimeError ("iostream error", "unexpected pos") without the ENOSPC behind it, so look at the disk."""
+    try:
+        return shutil.disk_usage(directory).free < _FULL_BELOW_BYTES
+    except OSError:
+        return False
 
 
 def _files(root: str) -> list[str]:
