@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from twinkle_rl.data import ROWS_SOURCE, parse_row, read_preference_rows
+from twinkle_rl.rows import ROWS_SOURCE, parse_row, read_preference_rows
 
 from twinkle_core.errors import DataFormatError
 

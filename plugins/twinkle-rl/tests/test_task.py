@@ -8,8 +8,8 @@ import logging
 
 import pytest
 import torch
-from twinkle_rl.data import PreferenceFeature
 from twinkle_rl.layout import PREFERENCE_PAIRS, pairs, sequence_sums
+from twinkle_rl.pairs import PreferenceFeature
 from twinkle_rl.reference import reference_logps
 from twinkle_rl.task import PreferenceTask
 

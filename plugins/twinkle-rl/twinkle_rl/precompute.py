@@ -23,7 +23,7 @@ import torch
 
 from twinkle_core import distributed
 from twinkle_core.checkpoint import load_state_file
-from twinkle_rl.data import PreferenceFeature
+from twinkle_rl.pairs import PreferenceFeature
 
 logger = logging.getLogger("twinkle.rl")
 

@@ -1,6 +1,6 @@
 """The ``preference`` task: answer pairs (chosen / rejected) for DPO-family losses.
 
-Rows and their validation: :mod:`twinkle_rl.data`. Batches: :mod:`twinkle_rl.layout` (``2P`` sequences
+Rows and their validation: :mod:`twinkle_rl.rows`; tokenised pairs: :mod:`twinkle_rl.pairs`. Batches: :mod:`twinkle_rl.layout` (``2P`` sequences
 for ``P`` pairs, pair by pair). A dataset feature is one whole pair, so data-parallel sharding and
 batching by feature never split a pair; ``data.batch_size`` counts pairs.
 
@@ -30,15 +30,8 @@ from twinkle_core.data.formats import RowError
 from twinkle_core.data.template import Template
 from twinkle_core.errors import ConfigError, DataFormatError
 from twinkle_core.task import Task
-from twinkle_rl.data import (
-    OVER_LENGTH,
-    PreferenceFeature,
-    collate_pairs,
-    encode_pair,
-    read_preference_rows,
-    truncate_pair,
-)
 from twinkle_rl.layout import PREFERENCE_PAIRS
+from twinkle_rl.pairs import OVER_LENGTH, PreferenceFeature, collate_pairs, encode_pair, truncate_pair
 from twinkle_rl.precompute import precompute_reference
 from twinkle_rl.reference import (
     REFERENCES,
@@ -49,6 +42,7 @@ from twinkle_rl.reference import (
     resolve_auto,
     train_configs,
 )
+from twinkle_rl.rows import read_preference_rows
 
 logger = logging.getLogger("twinkle.rl")
 
