@@ -55,11 +55,16 @@ def exit_job(code: int = 0) -> None:
     still fail: ``destroy_process_group`` on one rank may close gloo's connections while the other rank
     is still finishing that barrier, and at interpreter exit gloo's worker threads may outlive the
     objects they use. Either ends a finished job with SIGABRT ("terminate called without an active
-    exception", seen once in CI, not reproduced in 60 runs). ``os._exit`` skips the teardown."""
+    exception", seen once in CI, not reproduced in 60 runs). ``os._exit`` skips the teardown, after the
+    ``atexit`` handlers have run: multiprocessing's among them stops the worker processes a job started
+    (Megatron's checkpoint writer), which would otherwise outlive it holding the job's output pipes."""
+    import atexit
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
