@@ -41,10 +41,3 @@ def align_to_shifted(x: torch.Tensor, batch: int, steps: int, name: str) -> torc
 
 def scalar(x: torch.Tensor) -> float:
     return float(x.detach())
-
-
-def require_whole_sequences(inputs: dict[str, Any], where: str) -> None:
-    """Per-sequence losses need every token of a sequence on one rank."""
-    if "shift_labels" in inputs and inputs.get("labels") is None:
-        raise ValueError(f"{where} sums log-probs per sequence and does not support sequence parallelism "
-                         f"(the batch holds only a slice of each sequence); train it with mesh.sp=1")

@@ -71,6 +71,15 @@ class Loss(ABC):
                  context: LossContext | None = None) -> LossOutput: ...
 
 
+def require_whole_sequences(inputs: dict[str, Any], where: str, context: LossContext | None = None) -> None:
+    """Per-sequence losses (DPO, GRPO ...) need every token of a sequence on one rank: refuse a sequence-parallel
+    slice, marked by the core as ``shift_labels`` without ``labels``, or a context with ``sp_size > 1``."""
+    sliced = "shift_labels" in inputs and inputs.get("labels") is None
+    if sliced or (context is not None and context.sp_size > 1):
+        raise ValueError(f"{where} sums log-probs per sequence and does not support sequence parallelism "
+                         f"(the batch holds only a slice of each sequence); train it with mesh.sp=1")
+
+
 def accepts_context(fn: Any) -> bool:
     """Whether ``fn`` can be called with ``context=`` (losses written before the context existed cannot)."""
     try:

@@ -46,8 +46,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from twinkle_core.loss._common import align_to_shifted, require, require_whole_sequences, scalar
-from twinkle_core.loss.base import Loss, LossContext, LossOutput
+from twinkle_core.loss._common import align_to_shifted, require, scalar
+from twinkle_core.loss.base import Loss, LossContext, LossOutput, require_whole_sequences
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 
 
@@ -78,7 +78,7 @@ class _ClippedPolicyLoss(Loss):
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
                  context: LossContext | None = None) -> LossOutput:
         logits = outputs["logits"]
-        require_whole_sequences(inputs, type(self).__name__)
+        require_whole_sequences(inputs, type(self).__name__, context)
         logps, mask = token_logprobs(logits, inputs["labels"], self.ignore_index, self.chunk_size)
         batch, steps = logps.shape
         where = type(self).__name__

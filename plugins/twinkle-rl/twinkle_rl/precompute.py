@@ -104,13 +104,10 @@ def precompute_reference(features: Sequence[PreferenceFeature], *, model: Any,
     """``features`` with their ``ref_logps`` set: from the cache when it matches, else computed and cached."""
     key = fingerprint(features)
     path = cache_path(output_dir, split)
-    found = None
-    if distributed.is_main_process():
-        found = _read_cache(path, key, len(features))
-    found = distributed.broadcast_object(found is not None)
-    if found:
-        values = load_state_file(path)["ref_logps"]
-    else:
+    # the main process reads the cache once; every rank gets its values (or its absence) from it
+    values = _read_cache(path, key, len(features)) if distributed.is_main_process() else None
+    values = distributed.broadcast_object(values)
+    if values is None:
         logger.info("reference log-probabilities: one pass over %d %s pairs", len(features), split)
         values = _compute(features, collate, reference, *_data_parallel(model))
         if distributed.is_main_process():

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from twinkle_core.errors import ConfigError
-from twinkle_core.loss.base import Loss, LossContext
+from twinkle_core.loss.base import Loss, LossContext, require_whole_sequences
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 from twinkle_rl import layout
 
@@ -63,7 +63,7 @@ class PreferenceLoss(Loss):
     def pair_logps(self, outputs: dict[str, Any], inputs: dict[str, Any],
                    context: LossContext | None = None) -> PairLogps:
         """Sum and length of every answer under the policy, per pair; errors for batches a pair loss cannot use."""
-        require_whole_sequences(inputs, context, self.where)
+        require_whole_sequences(inputs, self.where, context)
         pairs = layout.pairs(inputs, self.where)
         logps, mask = token_logprobs(outputs["logits"], inputs["labels"], self.ignore_index, self.chunk_size)
         sums, counts = layout.sequence_sums(logps, mask, inputs, 2 * len(pairs))
@@ -83,14 +83,6 @@ class PreferenceLoss(Loss):
         nll = -logps.chosen_mean
         metrics["nll/chosen"] = mean(nll)
         return self.sft_weight * nll
-
-
-def require_whole_sequences(inputs: dict[str, Any], context: LossContext | None, where: str) -> None:
-    """Pair losses score whole answers, so each rank must hold whole sequences (no sequence parallelism)."""
-    sliced = "shift_labels" in inputs and inputs.get("labels") is None  # how the core marks an SP slice
-    if sliced or (context is not None and context.sp_size > 1):
-        raise ValueError(f"{where} sums log-probs per sequence and does not support sequence parallelism "
-                         f"(the batch holds only a slice of each sequence); train it with mesh.sp=1")
 
 
 def smoothed_sigmoid_loss(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
