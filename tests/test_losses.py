@@ -14,7 +14,6 @@ import torch
 from twinkle_core.loss.base import LossOutput
 from twinkle_core.loss.cross_entropy import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from twinkle_core.loss.gkd import GKDLoss
-from twinkle_core.loss.grpo import DAPOLoss, DrGRPOLoss, GRPOLoss
 from twinkle_core.loss.logprobs import token_logprobs
 from twinkle_core.loss.mse import MSELoss
 
@@ -70,7 +69,7 @@ def test_builtin_registry_paths_resolve():
 
     records = list(twinkle_register_losses())
     assert {r.name for r in records} == {
-        "cross_entropy", "chunked_cross_entropy", "grpo", "dapo", "dr_grpo", "gkd", "mse"
+        "cross_entropy", "chunked_cross_entropy", "gkd", "mse"
     }
     for record in records:
         cls = record.load()
@@ -177,125 +176,8 @@ def test_cross_entropy_all_ignored(cls):
         assert torch.all(grad(out.loss, logits) == 0)
 
 
-# --------------------------------------------------------------------------- GRPO family
-
-
-def rl_batch(seed=4):
-    logits, labels = make_batch(b=4, t=7, v=9, seed=seed)
-    lps = naive_token_logps(logits, labels)
-    # old log-probs pushed away from the current ones so that ratios land inside and outside
-    # both clip ranges: exp(+-0.5) ~ 1.65 / 0.61, exp(+-0.25) ~ 1.28 / 0.78, exp(+-0.05).
-    shifts = [0.5, -0.5, 0.25, -0.25, 0.05, -0.05, 0.0]
-    old = torch.zeros(4, 6, dtype=DT)
-    ref = torch.zeros(4, 6, dtype=DT)
-    old.fill_(123.0)  # junk on masked positions must not matter
-    ref.fill_(-55.0)
-    for k, ((b, t), lp) in enumerate(sorted(lps.items())):
-        old[b, t] = lp.detach() - shifts[k % len(shifts)]
-        ref[b, t] = lp.detach() + 0.3 * math.sin(k)
-    advantages = torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=DT)
-    return logits, labels, lps, old, ref, advantages
-
-
-def naive_pg(lps, old, ref, adv, eps_low, eps_high, beta, aggregation, length=None, per_token_adv=False):
-    per_seq: dict[int, list] = {}
-    clipped = 0
-    for (b, t), lp in lps.items():
-        a = float(adv[b, t + 1]) if per_token_adv else float(adv[b])
-        r = torch.exp(lp - old[b, t])
-        l_tok = -torch.min(r * a, torch.clamp(r, 1 - eps_low, 1 + eps_high) * a)
-        if beta:
-            d = ref[b, t] - lp
-            l_tok = l_tok + beta * (torch.exp(d) - d - 1)
-        per_seq.setdefault(b, []).append(l_tok)
-        rv = float(r.detach())
-        clipped += (rv > 1 + eps_high and a > 0) or (rv < 1 - eps_low and a < 0)
-    if aggregation == "grpo":
-        total, n = sum(sum(v) / len(v) for v in per_seq.values()), len(per_seq)
-    elif aggregation == "dapo":
-        total, n = sum(sum(v) for v in per_seq.values()), sum(len(v) for v in per_seq.values())
-    else:
-        total, n = sum(sum(v) for v in per_seq.values()) / length, len(per_seq)
-    return total, n, clipped / len(lps)
-
-
-CASES = [
-    (GRPOLoss, {"epsilon": 0.2}, 0.2, 0.2, "grpo"),
-    (GRPOLoss, {"epsilon": 0.2, "beta": 0.04}, 0.2, 0.2, "grpo"),
-    (DAPOLoss, {}, 0.2, 0.28, "dapo"),
-    (DAPOLoss, {"epsilon_low": 0.1, "epsilon_high": 0.3, "beta": 0.1}, 0.1, 0.3, "dapo"),
-    (DrGRPOLoss, {"epsilon": 0.2, "max_completion_length": 16}, 0.2, 0.2, "dr_grpo"),
-    (DrGRPOLoss, {"epsilon": 0.2, "max_completion_length": 16, "beta": 0.04}, 0.2, 0.2, "dr_grpo"),
-]
-
-
-@pytest.mark.parametrize("cls,kwargs,lo,hi,agg", CASES)
-def test_policy_gradient_losses_with_clipping(cls, kwargs, lo, hi, agg):
-    logits, labels, lps, old, ref, adv = rl_batch()
-    beta = kwargs.get("beta", 0.0)
-    out = cls(**kwargs)({"logits": logits}, {"labels": labels, "advantages": adv, "old_logps": old, "ref_logps": ref})
-    expected, n, clip_frac = naive_pg(lps, old, ref, adv, lo, hi, beta, agg, kwargs.get("max_completion_length"))
-    assert 0.0 < clip_frac < 1.0  # the batch really exercises clipping
-    assert float(out.num_tokens) == n
-    close(out.loss, expected)
-    close(grad(out.loss, logits), grad(expected, logits))
-    assert out.metrics["clip_fraction"] == pytest.approx(clip_frac)
-    gaps = [float(ref[b, t] - lp.detach()) for (b, t), lp in lps.items()]
-    kl_ref = sum(math.exp(d) - d - 1 for d in gaps) / len(gaps)
-    assert out.metrics["kl_mean"] == pytest.approx(kl_ref)
-
-
-def test_clipped_tokens_get_no_gradient():
-    """One token, positive advantage: the surrogate is flat above 1 + eps, live below it."""
-    logits = torch.zeros(1, 2, 3, dtype=DT, requires_grad=True)
-    labels = torch.tensor([[IGNORE, 1]])
-    lp = math.log(1 / 3)
-    for shift, live in [(0.5, False), (0.1, True)]:
-        out = GRPOLoss(epsilon=0.2)(
-            {"logits": logits}, {"labels": labels, "advantages": torch.tensor([1.0]), "old_logps": torch.tensor([[lp - shift]])}
-        )
-        g = grad(out.loss, logits)
-        assert bool(g.abs().sum() > 0) == live
-        assert out.metrics["clip_fraction"] == (0.0 if live else 1.0)
-
-
-@pytest.mark.parametrize("layout", ["full", "shifted"])
-def test_per_token_advantages(layout):
-    logits, labels, lps, old, ref, _ = rl_batch()
-    adv_full = torch.randn(4, 7, dtype=DT, generator=torch.Generator().manual_seed(9))
-    adv = adv_full if layout == "full" else adv_full[:, 1:]
-    out = DAPOLoss()({"logits": logits}, {"labels": labels, "advantages": adv, "old_logps": old})
-    expected, n, _ = naive_pg(lps, old, ref, adv_full, 0.2, 0.28, 0.0, "dapo", per_token_adv=True)
-    close(out.loss, expected)
-    close(grad(out.loss, logits), grad(expected, logits))
-
-
-def test_grpo_on_policy_without_old_logps():
-    logits, labels, lps, _, _, adv = rl_batch()
-    out = GRPOLoss()({"logits": logits}, {"labels": labels, "advantages": adv})
-    # ratio == 1: value is -mean(A) per sequence; gradient is that of -A * log p averaged per sequence
-    per_seq: dict[int, list] = {}
-    for (b, _t), lp in lps.items():
-        per_seq.setdefault(b, []).append(-float(adv[b]) * lp)
-    expected = sum(sum(v) / len(v) for v in per_seq.values())
-    close(out.loss, -sum(float(adv[b]) for b in per_seq))
-    close(grad(out.loss, logits), grad(expected, logits))
-    assert out.metrics["clip_fraction"] == 0.0
-    assert out.metrics["ratio_mean"] == pytest.approx(1.0)
-    assert "kl_mean" not in out.metrics
-
-
-def test_grpo_beta_needs_reference():
-    logits, labels, _, old, _, adv = rl_batch()
-    with pytest.raises(KeyError):
-        GRPOLoss(beta=0.1)({"logits": logits}, {"labels": labels, "advantages": adv, "old_logps": old})
-
-
-def test_dr_grpo_default_length_is_batch_length():
-    logits, labels, lps, old, ref, adv = rl_batch()
-    out = DrGRPOLoss()({"logits": logits}, {"labels": labels, "advantages": adv, "old_logps": old})
-    expected, _, _ = naive_pg(lps, old, ref, adv, 0.2, 0.2, 0.0, "dr_grpo", length=6)
-    close(out.loss, expected)
+# The GRPO family (grpo, dapo, dr_grpo) moved to the twinkle-rl plugin with its tests
+# (plugins/twinkle-rl/tests/test_policy_losses.py).
 
 
 # --------------------------------------------------------------------------- GKD
@@ -410,9 +292,6 @@ def _rows(d, idx):
     [
         CrossEntropyLoss(),
         ChunkedCrossEntropyLoss(chunk_size=3),
-        GRPOLoss(beta=0.05),
-        DAPOLoss(beta=0.05),
-        DrGRPOLoss(max_completion_length=10, beta=0.05),
         GKDLoss(beta=0.3),
         MSELoss(key="logits", target_key="targets"),
     ],
@@ -455,11 +334,15 @@ def test_cross_entropy_uses_pre_shifted_labels_when_the_batch_has_them():
         assert int(shard.num_tokens) + int(head.num_tokens) == int(plain.num_tokens)
 
 
-def test_per_sequence_losses_refuse_a_sequence_parallel_slice():
-    # the preference losses (twinkle-rl) are checked the same way in that plugin's tests
-    from twinkle_core.loss.grpo import GRPOLoss
+def test_require_whole_sequences_refuses_a_sequence_parallel_slice():
+    # the per-sequence losses that call it (twinkle-rl's preference and policy losses) are checked in that plugin
+    from twinkle_core.loss.base import LossContext, require_whole_sequences
 
-    logits = torch.randn(2, 4, 5)
     sliced = {"shift_labels": torch.zeros(2, 4, dtype=torch.long), "advantages": torch.ones(2)}
     with pytest.raises(ValueError, match="sequence parallelism"):
-        GRPOLoss()({"logits": logits}, sliced)
+        require_whole_sequences(sliced, "SomeLoss")
+    whole = {"labels": torch.zeros(2, 4, dtype=torch.long)}
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        require_whole_sequences(whole, "SomeLoss", LossContext(sp_size=2))
+    require_whole_sequences(whole, "SomeLoss", LossContext())
+    require_whole_sequences(whole, "SomeLoss")

@@ -129,7 +129,7 @@ def test_unknown_name_lists_what_is_available(monkeypatch):
     with pytest.raises(PluginNotFoundError) as info:
         get_plugins().get("loss", "cross_entrophy")
     message = str(info.value)
-    assert "cross_entrophy" in message and "cross_entropy" in message and "grpo" in message
+    assert "cross_entrophy" in message and "cross_entropy" in message and "gkd" in message
     assert info.value.install_hint is None
 
 

@@ -34,9 +34,6 @@ def twinkle_register_precisions():
 def twinkle_register_losses():
     yield LossRecord("cross_entropy", "twinkle_core.loss.cross_entropy:CrossEntropyLoss")
     yield LossRecord("chunked_cross_entropy", "twinkle_core.loss.cross_entropy:ChunkedCrossEntropyLoss")
-    yield LossRecord("grpo", "twinkle_core.loss.grpo:GRPOLoss")
-    yield LossRecord("dapo", "twinkle_core.loss.grpo:DAPOLoss", "decoupled clip, token-level aggregation")
-    yield LossRecord("dr_grpo", "twinkle_core.loss.grpo:DrGRPOLoss")
     yield LossRecord("gkd", "twinkle_core.loss.gkd:GKDLoss", "generalised JSD against a teacher")
     yield LossRecord("mse", "twinkle_core.loss.mse:MSELoss")
 

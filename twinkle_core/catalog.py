@@ -8,6 +8,7 @@ from __future__ import annotations
 _HF = "twinkle-backend-hf"
 _MEGATRON = "twinkle-backend-megatron"
 _NPU = "twinkle-backend-npu"
+_RL = "twinkle-rl"
 
 PROVIDERS: dict[tuple[str, str], str] = {
     ("model", "TransformersModel"): _HF,
@@ -23,6 +24,21 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("task", "embedding"): "twinkle-embedding",
     ("loss", "infonce"): "twinkle-embedding",
     ("task", "vlm"): "twinkle-vlm",
+    ("task", "preference"): _RL,
+    ("loss", "dpo"): _RL,
+    ("loss", "simpo"): _RL,
+    ("loss", "orpo"): _RL,
+    ("task", "grpo"): _RL,
+    ("task", "ppo"): _RL,
+    ("loss", "grpo"): _RL,
+    ("loss", "dapo"): _RL,
+    ("loss", "dr_grpo"): _RL,
+    ("loss", "gspo"): _RL,
+    ("loss", "ppo"): _RL,
+    ("loss", "ppo_value"): _RL,
+    ("reward", "exact_match"): _RL,
+    ("reward", "numeric_answer"): _RL,
+    ("sampler", "hf_generate"): _RL,
     ("conformance", "hf"): _HF,
     ("conformance", "megatron"): _MEGATRON,
 }
@@ -33,6 +49,7 @@ EXTRAS: dict[str, str] = {
     "huggingface_hub": "pip install huggingface_hub",
     "datasets": "pip install datasets",
     "tensorboard": "pip install tensorboard",
+    "matplotlib": "pip install matplotlib",
     "torchao": "pip install torchao",
 }
 

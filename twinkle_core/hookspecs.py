@@ -30,6 +30,8 @@ if TYPE_CHECKING:
         ModelRecord,
         OptimizerRecord,
         PrecisionRecord,
+        RewardRecord,
+        SamplerRecord,
         SchedulerRecord,
         SourceRecord,
         StrategyRecord,
@@ -189,6 +191,36 @@ def twinkle_register_metrics() -> Iterable[MetricRecord]:
         @hookimpl
         def twinkle_register_metrics():
             yield MetricRecord("perplexity", "my_pkg.metrics:Perplexity")
+    """
+
+
+@hookspec
+def twinkle_register_samplers() -> Iterable[SamplerRecord]:
+    """Register samplers for online RL: ``impl`` is a :class:`twinkle_core.sampling.Sampler` subclass.
+
+    A sampler generates ``n`` completions per prompt with per-token log-probs and declares how the
+    trainer's new weights reach it (``weight_sync``: read in process, or pushed to it).
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_samplers():
+            yield SamplerRecord("vllm", "my_pkg.vllm_sampler:VLLMSampler")
+    """
+
+
+@hookspec
+def twinkle_register_rewards() -> Iterable[RewardRecord]:
+    """Register reward functions by name for online RL (``rl.rewards`` in a recipe).
+
+    ``impl`` is a callable ``(prompts, completions, **row_fields) -> list[float]`` or a
+    :class:`twinkle_core.rewards.Reward` subclass (constructed with the recipe's options).
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_rewards():
+            yield RewardRecord("json_valid", "my_pkg.rewards:json_valid")
     """
 
 

@@ -110,6 +110,22 @@ class MetricRecord(PluginRecord):
 
 
 @dataclass(frozen=True)
+class SamplerRecord(PluginRecord):
+    """A ``Sampler`` (``twinkle_core.sampling``) that generates completions for online RL."""
+
+    kind: ClassVar[str] = "sampler"
+    register_hook: ClassVar[str] = "twinkle_register_samplers"
+
+
+@dataclass(frozen=True)
+class RewardRecord(PluginRecord):
+    """A reward function ``(prompts, completions, **row fields) -> list[float]`` (``twinkle_core.rewards``)."""
+
+    kind: ClassVar[str] = "reward"
+    register_hook: ClassVar[str] = "twinkle_register_rewards"
+
+
+@dataclass(frozen=True)
 class ConformanceTarget(PluginRecord):
     """A factory the conformance suite calls to build a tiny model of one backend.
 
@@ -135,6 +151,8 @@ RECORD_TYPES: tuple[type[PluginRecord], ...] = (
     OptimizerRecord,
     SchedulerRecord,
     MetricRecord,
+    SamplerRecord,
+    RewardRecord,
     ConformanceTarget,
 )
 KINDS: dict[str, type[PluginRecord]] = {r.kind: r for r in RECORD_TYPES}

@@ -127,6 +127,12 @@ class Strategy(ABC):
     def unwrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
 
+    @property
+    def forward_is_collective(self) -> bool:
+        """Whether a forward of the unwrapped module communicates (sharded parameters are gathered), so that
+        every rank must run the same number of forwards: an in-process sampler then decodes in lockstep."""
+        return False
+
     def prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """Adapt a batch before the forward (sequence parallelism shards it here)."""
         return inputs

@@ -24,6 +24,7 @@ never patches a backend's methods. A minimal task that adds a head and a file::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -38,10 +39,16 @@ class Task(ABC):
 
     name: ClassVar[str] = ""
     default_loss: ClassVar[str] = ""
-    #: what kind of network the backend should build: "causal_lm" or "encoder"
+    #: what kind of network the backend should build: "causal_lm", "encoder" (hidden states), or "token_value"
+    #: (one scalar per token: a PPO critic's value head, ``outputs["logits"]`` of shape ``[B, T, 1]``)
     model_kind: ClassVar[str] = "causal_lm"
     #: batch features this task's batches carry beyond tokens and labels (see ``Loss.requires``)
     provides: ClassVar[frozenset[str]] = frozenset()
+    #: whether the trainer's evaluation computes the loss on ``data.eval`` batches; a task whose eval rows are
+    #: not training batches (RL prompts) says False and reports what it measures from :meth:`evaluate`
+    has_eval_loss: ClassVar[bool] = True
+    #: logged values drawn in ``output_dir/curves.png`` besides the loss (with their ``eval_`` counterparts)
+    curve_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **options: Any) -> None:
         self.options = options
@@ -77,6 +84,57 @@ class Task(ABC):
         script driving the model itself calls it the same way. It may run ``model.forward_only``.
         """
         return batch
+
+    def next_training_batch(self, model: TwinkleModel, draw: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The next micro-batch to train on; ``draw()`` returns the next collated batch of the data loader.
+
+        Default: ``prepare_batch(model, draw())``. A task that makes several micro-batches from one data
+        batch (online RL: a batch of prompts becomes rollouts, trained for several epochs of mini-batches)
+        keeps them in a queue and calls ``draw`` only when it is empty, or several times when it needs more
+        (dynamic sampling). Whatever it keeps between calls belongs in :meth:`state_dict`.
+        """
+        return self.prepare_batch(model, draw())
+
+    def after_step(self, model: TwinkleModel, *, step: int) -> None:
+        """Called on every rank after each optimizer step (``step`` is the new count), before logging or saving:
+        where an RL task pushes the new weights to its sampler."""
+
+    def step_metrics(self) -> dict[str, float]:
+        """Metrics of the steps since the last call, added to the training log line (reward mean, ...).
+
+        Called on every rank at each logging step; a task that reduces over ranks does it here, so the values
+        it returns are global. Default: none."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the task keeps between micro-batches (a rollout queue, sampler counters), saved in every
+        checkpoint so that a resumed run continues exactly. Tensors, lists, dicts and scalars only."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` when a checkpoint is resumed (after the model's own state)."""
+
+    def save_training_state(self, model: TwinkleModel, directory: str) -> None:
+        """Write what the task trains besides ``model`` (a PPO critic) into a training checkpoint being written.
+
+        Called on every rank, inside the checkpoint's staging directory (so it is part of the checkpoint's
+        integrity manifest), after the model's own state; only for checkpoints that hold optimizer state."""
+
+    def load_training_state(self, model: TwinkleModel, directory: str) -> None:
+        """Restore :meth:`save_training_state` from a checkpoint being resumed (every rank)."""
+
+    def micro_batches_per_data_batch(self, batch_size: int) -> int:
+        """How many micro-batches :meth:`next_training_batch` makes of one data batch of ``batch_size`` rows
+        (for the step count of a recipe without ``train.max_steps``). Default 1."""
+        return 1
+
+    def loss_options(self, loss_name: str) -> dict[str, Any]:
+        """Defaults for the options of the loss ``loss_name`` that follow from the task's own options (an RL
+        task's sampling temperature for its policy loss); the recipe's ``loss.options`` override them."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the task holds (sampler engines, threads) when training ends, also on an error."""
 
     def process_outputs(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
         """Turn the network's outputs into what the task's loss and evaluation read (pooling, heads).

@@ -12,6 +12,7 @@ weights, safetensors) or ``peft.PeftModel.from_pretrained`` (adapters) loads dir
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +23,10 @@ from twinkle_backend_hf import adapters
 from twinkle_core.errors import ConfigError
 from twinkle_core.model.torch_model import TorchTwinkleModel
 from twinkle_core.sources import resolve
+
+#: the transformers auto class behind each ``Task.model_kind``; a ``token_value`` network has one label
+_AUTO_CLASSES = {"causal_lm": "AutoModelForCausalLM", "encoder": "AutoModel",
+                 "token_value": "AutoModelForTokenClassification"}
 
 
 class TransformersModel(TorchTwinkleModel):
@@ -54,8 +59,10 @@ class TransformersModel(TorchTwinkleModel):
     def _auto_class(self) -> Any:
         import transformers
 
-        name = self.auto_class or ("AutoModel" if getattr(self.task, "model_kind", "causal_lm") == "encoder"
-                                   else "AutoModelForCausalLM")
+        name = self.auto_class or _AUTO_CLASSES.get(getattr(self.task, "model_kind", "causal_lm"))
+        if name is None:
+            raise ConfigError(f"TransformersModel cannot build a network of model_kind "
+                              f"{getattr(self.task, 'model_kind', None)!r}; it builds {', '.join(_AUTO_CLASSES)}")
         return getattr(transformers, name)
 
     def _hf_config(self) -> Any:
@@ -75,15 +82,25 @@ class TransformersModel(TorchTwinkleModel):
         common: dict[str, Any] = {"trust_remote_code": self.trust_remote_code, **self.model_kwargs}
         if self.attn_implementation:
             common["attn_implementation"] = self.attn_implementation
+        value_head = getattr(self.task, "model_kind", None) == "token_value"
         if self.model_id is not None:
             from twinkle_core.sources.resolve import resolve_model
 
             self.model_path = resolve_model(self.model_id, revision=self.revision)
             extra = {"config": self._hf_config()} if self.config_spec is not None else {}
+            if value_head and not extra:
+                extra = {"num_labels": 1}
+            elif value_head:
+                extra["config"] = copy.deepcopy(extra["config"])  # never the caller's config object
+                extra["config"].num_labels = 1
             with resolve.explain_remote_code_refusal(f"the model {self.model_id!r}"):
                 module = auto.from_pretrained(self.model_path, dtype=torch.float32, **extra, **common)
         else:
-            module = auto.from_config(self._hf_config(), dtype=torch.float32, **common)
+            config = self._hf_config()
+            if value_head:
+                config = copy.deepcopy(config)
+                config.num_labels = 1
+            module = auto.from_config(config, dtype=torch.float32, **common)
         if self.gradient_checkpointing:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if hasattr(module, "enable_input_require_grads"):

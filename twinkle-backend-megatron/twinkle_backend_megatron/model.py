@@ -34,6 +34,7 @@ from twinkle_backend_megatron import convert
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
 from twinkle_core.loss.base import LossOutput
 from twinkle_core.model.frozen import trains
+from twinkle_core.model.base import TwinkleModel
 from twinkle_core.model.torch_model import FULL_MODEL, TorchTwinkleModel
 from twinkle_core.model.train_state import TrainState
 from twinkle_core.sources import resolve
@@ -503,6 +504,11 @@ class MegatronModel(TorchTwinkleModel):
             return super().forward_only(inputs=inputs, adapter_name=adapter_name, disable_adapters=disable_adapters,
                                         **kwargs)
         return self._pipeline(inputs, adapter_name, forward_only=True, disable_adapters=disable_adapters)
+
+    def generation_module(self, *, adapter_name: str | None = None) -> Any:
+        # a Megatron network takes no KV cache and is cut over tensor / pipeline ranks: a sampler needs its own
+        # Hugging Face copy, refreshed from get_state_dict() (gathered, Hugging Face names) after every step
+        return TwinkleModel.generation_module(self, adapter_name=adapter_name)
 
     # ================================================================== pipeline parallelism
     def _pipeline(self, inputs: dict[str, Any], adapter_name: str | None, *, forward_only: bool,

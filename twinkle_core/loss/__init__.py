@@ -8,15 +8,14 @@ name                        class                                               
 ==========================  =====================================================  ==============
 ``cross_entropy``           ``twinkle_core.loss.cross_entropy:CrossEntropyLoss``        label token
 ``chunked_cross_entropy``   ``twinkle_core.loss.cross_entropy:ChunkedCrossEntropyLoss`` label token
-``grpo``                    ``twinkle_core.loss.grpo:GRPOLoss``                         sequence
-``dapo``                    ``twinkle_core.loss.grpo:DAPOLoss``                         label token
-``dr_grpo``                 ``twinkle_core.loss.grpo:DrGRPOLoss``                       sequence
 ``gkd``                     ``twinkle_core.loss.gkd:GKDLoss``                           label token
 ``mse``                     ``twinkle_core.loss.mse:MSELoss``                           element
 ==========================  =====================================================  ==============
 
-The preference losses (``dpo``, ``simpo``, ``orpo``) come with the ``twinkle-rl`` plugin, with the
-``preference`` task whose batch layout they read.
+The RL losses live in the ``twinkle-rl`` plugin (``pip install twinkle-rl``), not in the core: the preference
+losses (``dpo``, ``simpo``, ``orpo``, with the ``preference`` task whose batch layout they read) and the
+clipped policy-gradient losses (``grpo``, ``dapo``, ``dr_grpo``, ``gspo``, ``ppo``) with PPO's value loss
+(``ppo_value``).
 
 ``reduction="mean"`` (cross entropy, MSE) returns the mean with ``num_tokens=1``. Per-token
 log-probabilities of the labels, with the shared shift convention and bounded memory, come from

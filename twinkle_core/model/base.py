@@ -18,6 +18,7 @@ token count of all accumulated micro-batches (over all data-parallel ranks) befo
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -56,6 +57,20 @@ class TwinkleModel(ABC):
         Afterwards the adapters are active again, also when the forward raised. Without adapters the flag
         changes nothing. A model class that cannot switch its adapters off raises ``ConfigError``.
         """
+
+    def generation_module(self, *, adapter_name: str | None = None) -> contextlib.AbstractContextManager[Any]:
+        """Lend the network to an in-process sampler: a context manager yielding a
+        :class:`~twinkle_core.sampling.GenerationModule` whose ``module`` is a Hugging Face-style causal LM
+        (``module(input_ids=, attention_mask=, position_ids=, past_key_values=, use_cache=True)``) in
+        evaluation mode, without gradients, under the model's precision, with ``adapter_name``'s adapter
+        active. Training mode comes back on exit. ``lockstep`` tells the sampler that each forward is a
+        collective (sharded weights are gathered): every rank must then run the same number of forwards.
+
+        A model whose network cannot run that way (Megatron's) raises ``ConfigError``; a ``push`` sampler
+        builds its own copy from ``get_state_dict()`` instead.
+        """
+        raise ConfigError(f"{type(self).__name__} cannot lend its network to an in-process sampler; use a sampler "
+                          f"with weight_sync='push' (hf_generate with copy_weights: true)")
 
     @abstractmethod
     def calculate_loss(self, *, inputs: dict[str, Any] | None = None, outputs: dict[str, Any] | None = None,
@@ -141,6 +156,13 @@ class TwinkleModel(ABC):
         ``forward_only(disable_adapters=True)``.
         """
         raise ConfigError(f"{type(self).__name__} cannot make a frozen copy of itself")
+
+    def sibling(self, *, task: Any, **overrides: Any) -> TwinkleModel:
+        """A new, trainable model of this class built from the same source, with the same strategy (options,
+        mesh) and precision mode, for another task: a PPO critic is a sibling of the policy whose task asks
+        for a per-token value head (``model_kind = "token_value"``). It has its own weights (from the source,
+        not this model's trained ones), optimizer and loss. ``overrides`` replace constructor arguments."""
+        raise ConfigError(f"{type(self).__name__} cannot build a sibling model")
 
     @abstractmethod
     def get_state_dict(self, *, adapter_name: str | None = None) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import json
 import math
 import os
 from abc import abstractmethod
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from twinkle_core.names import validate_name
 from twinkle_core.optim import build_optimizer, build_scheduler
 from twinkle_core.plugins import get_plugins
 from twinkle_core.precision import Precision
+from twinkle_core.sampling import GenerationModule
 from twinkle_core.strategy import OptimizerHandle, Strategy
 from twinkle_core.task import default_loss_name
 
@@ -214,6 +216,23 @@ class TorchTwinkleModel(TwinkleModel):
             outputs = self._compute(inputs, adapter_name)
         state.last_inputs, state.last_outputs = inputs, outputs
         return outputs
+
+    @contextlib.contextmanager
+    def generation_module(self, *, adapter_name: str | None = None) -> Iterator[GenerationModule]:
+        self._state(adapter_name)
+        target = self._generation_target()
+        was_training = target.training
+        target.eval()
+        try:
+            with torch.no_grad(), self._adapter_scope(adapter_name), self.precision.autocast(self.device.type):
+                yield GenerationModule(module=target, device=self.device, lockstep=self.strategy.forward_is_collective)
+        finally:
+            target.train(was_training)
+
+    def _generation_target(self) -> torch.nn.Module:
+        """The module a sampler calls: the strategy's unwrapped network (a DDP wrapper's forward would
+        synchronise buffers on every decoding step; a fully sharded module gathers its own weights)."""
+        return self.strategy.unwrap_module(self.wrapped)
 
     def _sync_context(self, state: TrainState) -> contextlib.AbstractContextManager[Any]:
         """Skip gradient synchronisation on all but the last micro-batch of an accumulation window."""
@@ -472,6 +491,13 @@ class TorchTwinkleModel(TwinkleModel):
     def frozen_copy(self) -> TorchTwinkleModel:
         return frozen.frozen_copy(self)
 
+    def sibling(self, *, task: Any, **overrides: Any) -> TorchTwinkleModel:
+        kwargs = frozen.rebuild_arguments(self)
+        # its own precision object: a trainable model scales its own loss (fp16)
+        kwargs["precision"] = self.init_arguments.get("precision", self.precision.name)
+        kwargs.update(task=task, **overrides)
+        return type(self)(**kwargs)
+
     def get_state_dict(self, *, adapter_name: str | None = None) -> dict[str, Any]:
         name = self._resolve_name(adapter_name)
         full = self.strategy.full_state_dict(self.wrapped)
@@ -496,6 +522,8 @@ class TorchTwinkleModel(TwinkleModel):
                     self.task.on_export(self, tmp, state.name or None)
             if save_optimizer and state.optimizer is not None:
                 self._save_training_state(tmp, state, extra_state)
+                if self.task is not None:
+                    self.task.save_training_state(self, tmp)
         return final
 
     def _save_training_state(self, directory: str, state: TrainState, extra_state: dict[str, Any] | None) -> None:
@@ -561,6 +589,8 @@ class TorchTwinkleModel(TwinkleModel):
         self.precision.load_state_dict(trainer["precision"])
         state.load_counters(trainer["counters"])
         state.reset_accumulation()
-        if written:
+        if self.task is not None:
+            self.task.load_training_state(self, path)
+        if written:  # last: loading the task's state must not move the RNG streams of the resumed run
             checkpoint.restore_rng_state(checkpoint.load_state_file(rng_path))
         return trainer["extra_state"]

@@ -307,7 +307,7 @@ class Trainer:
         loss_name = r.loss.name or getattr(self.task, "default_loss", "") or None
         if loss_name is None:
             raise ConfigError(f"loss.name: the task {r.task!r} has no default loss; set loss.name")
-        model.set_loss(loss_name, adapter_name=name, **r.loss.options)
+        model.set_loss(loss_name, adapter_name=name, **{**self.task.loss_options(loss_name), **r.loss.options})
         model.set_optimizer(r.optimizer.name, adapter_name=name, lr=r.optimizer.lr,
                             weight_decay=r.optimizer.weight_decay, **r.optimizer.options)
 
@@ -327,7 +327,7 @@ class Trainer:
         if r.train.max_steps is not None:
             self.total_steps = r.train.max_steps
         else:
-            self.total_steps = (r.train.num_epochs * micro_batches) // ga
+            self.total_steps = (r.train.num_epochs * micro_batches * self.task.micro_batches_per_data_batch(r.data.batch_size)) // ga
             if self.total_steps == 0:
                 raise ConfigError(
                     f"train.gradient_accumulation_steps={ga} needs {ga} micro-batches per optimizer step but "
@@ -386,11 +386,16 @@ class Trainer:
 
     def _mark_boundary(self) -> None:
         """Remember the state after a complete optimizer step (what an interrupted checkpoint saves)."""
-        self._boundary = {"step": self.step, "epoch": self.epoch, "loader": self.loader.state_dict()}
+        self._boundary = self._state()
+
+    def _state(self) -> dict[str, Any]:
+        """The counters and positions a checkpoint of the current step holds besides the model's own state."""
+        return {"step": self.step, "epoch": self.epoch, "loader": self.loader.state_dict(),
+                "task": self.task.state_dict()}
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, name: str, state: dict[str, Any] | None = None, **kwargs: Any) -> str:
-        state = state or {"step": self.step, "epoch": self.epoch, "loader": self.loader.state_dict()}
+        state = state or self._state()
         o = self.recipe.optimizer
         extra = {**state, "total_steps": self.total_steps,
                  "optimizer_options": {"lr": o.lr, "weight_decay": o.weight_decay}}  # checked on resume
@@ -449,6 +454,7 @@ class Trainer:
         self.step = int(extra.get("step", 0))
         self.epoch = int(extra.get("epoch", 0))
         self.loader.set_epoch(self.epoch)
+        self.task.load_state_dict(extra.get("task") or {})
         if extra.get("loader") is not None:
             self.loader.load_state_dict(extra["loader"])
         else:
@@ -475,7 +481,7 @@ class Trainer:
         r = self.recipe
         model, name = self.model, self.adapter_name
         metrics: dict[str, float] = {}
-        if self.eval_dataset is not None:
+        if self.eval_dataset is not None and self.task.has_eval_loss:
             loss_sum = tokens = 0.0
             loss_metrics = LossMetric()  # the loss's own metrics (DPO rewards ...), weighted like the loss
             for batch in self._make_loader(self.eval_dataset, shuffle=False):
@@ -495,8 +501,9 @@ class Trainer:
             if tokens and math.isfinite(metrics["eval_loss"]) and metrics["eval_loss"] < 50:
                 metrics["eval_ppl"] = math.exp(metrics["eval_loss"])
         extra: dict[str, Any] = {}
-        if r.train.evaluate_options is not None:
-            extra = self.task.evaluate(model, self.eval_dataset, self.tokenizer, **r.train.evaluate_options) or {}
+        if r.train.evaluate_options is not None or (self.eval_dataset is not None and not self.task.has_eval_loss):
+            options = r.train.evaluate_options or {}
+            extra = self.task.evaluate(model, self.eval_dataset, self.tokenizer, **options) or {}
         for key, value in extra.items():
             metrics[key if key.startswith("eval_") else f"eval_{key}"] = value
         # evaluation forwards must not leak into the training metrics
@@ -552,7 +559,7 @@ class Trainer:
                 while self.step < self.total_steps:
                     step_loss, step_labels = 0.0, 0.0
                     for _ in range(ga):
-                        batch = self.task.prepare_batch(model, self._next_batch())
+                        batch = self.task.next_training_batch(model, self._next_batch)
                         outputs = model.forward_backward(inputs=batch, adapter_name=name)
                         loss, tokens = _loss_and_tokens(outputs)
                         step_loss += loss
@@ -563,6 +570,7 @@ class Trainer:
                         window["input_tokens"] += _batch_tokens(batch)
                     grad_norm = model.clip_grad_and_step(max_grad_norm=t.max_grad_norm, adapter_name=name)
                     self.step += 1
+                    self.task.after_step(model, step=self.step)
                     self._mark_boundary()
                     bar.update(1)
                     is_eval_step = eval_enabled and t.eval_every is not None and self.step % t.eval_every == 0
@@ -600,6 +608,7 @@ class Trainer:
         finally:
             bar.close()
             log.close()
+            self.task.close()
         summary = {
             "output_dir": str(self.output_dir),
             "steps": self.step,
@@ -619,6 +628,9 @@ class Trainer:
             from twinkle_core.train.logging import _plain
 
             (self.output_dir / "summary.json").write_text(json.dumps(_plain(summary), indent=2) + "\n")
+            from twinkle_core.train.curves import write_curves
+
+            write_curves(self.output_dir, ["loss", *self.task.curve_keys], title=f"{r.task}: {self.output_dir.name}")
         return summary
 
     def _check_step(self, stop: _StopSignals, finite: bool = True, label_tokens: float | None = None) -> None:
@@ -666,6 +678,7 @@ class Trainer:
     def _log_step(self, log: TrainLogger, bar: Any, window: dict[str, float], grad_norm: Any, started: float,
                   show_bar: bool) -> dict[str, Any]:
         metrics = dict(self.model.calculate_metric(adapter_name=self.adapter_name, reset=True))
+        metrics.update(self.task.step_metrics())  # every rank calls it: a task may reduce over ranks inside
         loss = metrics.pop("loss", None)
         if loss is None and window["tokens"]:
             loss = window["loss"] / window["tokens"]

@@ -59,7 +59,7 @@ def _did_you_mean(key: str, row: dict[str, Any]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _prompt_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
+def prompt_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
     has_prompt = row.get("prompt") is not None
     has_messages = row.get("messages") is not None or row.get("conversations") is not None
     if has_prompt and has_messages:
@@ -130,7 +130,7 @@ def parse_row(row: Any, line: int) -> PreferenceRow:
     """Validate one row; raises :class:`RowError` with the reason."""
     if not isinstance(row, dict):
         raise RowError(f"a row must be a JSON object, got {type(row).__name__}")
-    prompt = _prompt_messages(row)
+    prompt = prompt_messages(row)
     chosen, rejected = (_answer_messages(row, key) for key in _ANSWER_KEYS)
     return PreferenceRow(prompt=prompt, chosen=chosen, rejected=rejected, line=line, tools=row.get("tools"))
 
@@ -167,4 +167,4 @@ def read_preference_rows(path: str | os.PathLike[str] | Iterable[Any]) -> tuple[
     return source, pairs, identical
 
 
-__all__ = ["ROWS_SOURCE", "PreferenceRow", "parse_row", "read_preference_rows"]
+__all__ = ["ROWS_SOURCE", "PreferenceRow", "parse_row", "prompt_messages", "read_preference_rows"]

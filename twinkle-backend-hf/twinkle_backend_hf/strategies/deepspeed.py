@@ -309,6 +309,10 @@ class DeepSpeedStrategy(Strategy):
     def unwrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.module if isinstance(module, DeepSpeedModule) else module
 
+    @property
+    def forward_is_collective(self) -> bool:
+        return self.stage == 3  # ZeRO-3 gathers each layer's partitioned parameters in its forward
+
     @contextlib.contextmanager
     def no_sync(self, module: torch.nn.Module) -> Iterator[None]:
         """A micro-step that is not the last before a step: a DeepSpeed non-boundary backward."""

@@ -119,6 +119,10 @@ class NativeFSDPStrategy(Strategy):
     def unwrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module  # fully_shard works in place: the module is its own wrapper
 
+    @property
+    def forward_is_collective(self) -> bool:
+        return True  # each sharded unit all-gathers its parameters in its forward
+
     @contextlib.contextmanager
     def no_sync(self, module: torch.nn.Module) -> Iterator[None]:
         """Accumulate unsharded gradients locally; the step's last backward reduce-scatters the sum."""

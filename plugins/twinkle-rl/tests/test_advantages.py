@@ -1,0 +1,279 @@
+"""The advantage estimators against naive references written from the papers' formulas.
+
+References loop in Python over floats (double precision) and share nothing with the implementation.
+float64 inputs must agree to ~1e-12 relative; float32 inputs to a few float32 ulps of the values' magnitude.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from twinkle_rl.advantages import (
+    ESTIMATORS,
+    gae,
+    grpo_advantages,
+    informative_groups,
+    overlong_mask,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    soft_overlong_penalty,
+    whiten,
+)
+
+from twinkle_core.errors import ConfigError
+
+F32_ULP = torch.finfo(torch.float32).eps
+
+
+def random_rewards(groups=5, n=4, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(groups, n, generator=g, dtype=torch.float64) * 3 + 1).to(dtype)
+
+
+def assert_matches(actual: torch.Tensor, expected: list, dtype: torch.dtype):
+    expected_t = torch.tensor(expected, dtype=torch.float64)
+    assert actual.dtype == dtype
+    if dtype == torch.float64:
+        torch.testing.assert_close(actual, expected_t, rtol=1e-12, atol=1e-12)
+    else:
+        scale = max(1.0, float(expected_t.abs().max()))
+        torch.testing.assert_close(actual.double(), expected_t, rtol=0, atol=8 * F32_ULP * scale)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def mean(xs):
+    return sum(xs) / len(xs)
+
+
+def ref_grpo(rows, scale_by_std=True, eps=1e-4):
+    """DeepSeekMath eq. (outcome supervision): A_i = (r_i - mean(r)) / std(r), std the sample std."""
+    out = []
+    for row in rows:
+        m = mean(row)
+        std = math.sqrt(sum((x - m) ** 2 for x in row) / (len(row) - 1))
+        out.append([(x - m) / (std + eps) if scale_by_std else x - m for x in row])
+    return out
+
+
+def ref_rloo(rows):
+    """Ahmadian et al. 2024: A_i = r_i - 1/(k-1) sum_{j != i} r_j."""
+    out = []
+    for row in rows:
+        k = len(row)
+        out.append([row[i] - sum(row[j] for j in range(k) if j != i) / (k - 1) for i in range(k)])
+    return out
+
+
+def ref_reinforce_pp(rows, eps=1e-8):
+    """Hu 2025: normalise by the global batch mean and (population) std."""
+    flat = [x for row in rows for x in row]
+    m = mean(flat)
+    std = math.sqrt(sum((x - m) ** 2 for x in flat) / len(flat))
+    return [[(x - m) / (std + eps) for x in row] for row in rows]
+
+
+def ref_gae(rewards, values, mask, gamma, lam):
+    """Schulman et al. 2016, backward: delta_t = r_t + g V_{t+1} - V_t, A_t = delta_t + g l A_{t+1}."""
+    advantages, returns = [], []
+    for r_row, v_row, m_row in zip(rewards, values, mask):
+        steps = [t for t, m in enumerate(m_row) if m]
+        a_row = [0.0] * len(m_row)
+        next_v, next_a = 0.0, 0.0
+        for t in reversed(steps):
+            delta = r_row[t] + gamma * next_v - v_row[t]
+            a_row[t] = delta + gamma * lam * next_a
+            next_v, next_a = v_row[t], a_row[t]
+        advantages.append(a_row)
+        returns.append([a_row[t] + v_row[t] if m_row[t] else 0.0 for t in range(len(m_row))])
+    return advantages, returns
+
+
+def ref_overlong(length, max_length, cache):
+    """DAPO eq. 13."""
+    if length <= max_length - cache:
+        return 0.0
+    if length <= max_length:
+        return ((max_length - cache) - length) / cache
+    return -1.0
+
+
+# --------------------------------------------------------------------------- group estimators
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_grpo_matches_reference(dtype, scale_by_std):
+    r = random_rewards(dtype=dtype)
+    expected = ref_grpo(r.double().tolist(), scale_by_std=scale_by_std)
+    assert_matches(grpo_advantages(r, scale_by_std=scale_by_std), expected, dtype)
+
+
+def test_grpo_equal_rewards_give_zero_and_dr_grpo_is_unscaled():
+    r = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0]], dtype=torch.float64)
+    a = grpo_advantages(r)
+    assert torch.equal(a[0], torch.zeros(3, dtype=torch.float64))
+    assert_matches(ESTIMATORS["dr_grpo"](r), ref_grpo(r.tolist(), scale_by_std=False), torch.float64)
+    assert_matches(ESTIMATORS["grpo"](r, eps=0.5), ref_grpo(r.tolist(), eps=0.5), torch.float64)
+
+
+def test_grpo_needs_two_samples_for_std():
+    with pytest.raises(ConfigError, match="n >= 2"):
+        grpo_advantages(torch.ones(3, 1))
+    assert torch.equal(grpo_advantages(torch.ones(3, 1), scale_by_std=False), torch.zeros(3, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_rloo_matches_reference(dtype):
+    r = random_rewards(groups=3, n=5, dtype=dtype)
+    assert_matches(rloo_advantages(r), ref_rloo(r.double().tolist()), dtype)
+    assert_matches(ESTIMATORS["rloo"](r), ref_rloo(r.double().tolist()), dtype)
+
+
+def test_rloo_needs_two_samples():
+    with pytest.raises(ConfigError, match="n >= 2"):
+        rloo_advantages(torch.ones(2, 1))
+
+
+def test_group_estimators_reject_flat_rewards():
+    with pytest.raises(ValueError, match=r"\[num_groups, n\]"):
+        grpo_advantages(torch.ones(4))
+
+
+def test_integer_rewards_become_float32():
+    assert grpo_advantages(torch.tensor([[0, 1], [1, 1]])).dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- REINFORCE++
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_reinforce_pp_matches_reference(dtype):
+    r = random_rewards(groups=4, n=3, dtype=dtype)
+    assert_matches(reinforce_pp_advantages(r), ref_reinforce_pp(r.double().tolist()), dtype)
+
+
+def on_two_ranks(estimate, shards):
+    """Run ``estimate(shard, global_sum)`` as two ranks would: each rank's local sums are all-reduced (added)."""
+    local = []
+    for shard in shards:  # first pass: what each rank hands to the all-reduce
+        estimate(shard, lambda t: local.append(t.clone()) or t)
+    assert all(t.dtype == torch.float64 for t in local)
+    reduced = local[0] + local[1]
+
+    def all_reduce(rank):
+        def global_sum(t):
+            assert torch.equal(t, local[rank])
+            return reduced
+        return global_sum
+
+    return [estimate(shard, all_reduce(rank)) for rank, shard in enumerate(shards)]
+
+
+def test_reinforce_pp_two_ranks_equal_one_process():
+    r = random_rewards(groups=6, n=4, seed=3)
+    shards = (r[:2], r[2:])  # unequal shares: ranks need not hold the same number of groups
+    per_rank = on_two_ranks(lambda x, gs: reinforce_pp_advantages(x, global_sum=gs), shards)
+    torch.testing.assert_close(torch.cat(per_rank), reinforce_pp_advantages(r), rtol=1e-12, atol=1e-12)
+    per_rank = on_two_ranks(lambda x, gs: ESTIMATORS["reinforce_pp"](x, global_sum=gs), shards)
+    torch.testing.assert_close(torch.cat(per_rank), reinforce_pp_advantages(r), rtol=1e-12, atol=1e-12)
+
+
+def test_reinforce_pp_constant_batch_is_zero():
+    assert torch.equal(reinforce_pp_advantages(torch.full((2, 3), 0.7)), torch.zeros(2, 3))
+
+
+# --------------------------------------------------------------------------- GAE and whitening
+
+
+def gae_batch(dtype):
+    g = torch.Generator().manual_seed(1)
+    rewards = torch.randn(4, 7, generator=g, dtype=torch.float64).to(dtype)
+    values = torch.randn(4, 7, generator=g, dtype=torch.float64).to(dtype)
+    mask = torch.zeros(4, 7, dtype=torch.bool)
+    mask[0, 2:7] = True  # prompt first, completion to the end
+    mask[1, 3:5] = True  # right padding after the completion
+    mask[2, 0:7] = True
+    mask[3, 6] = True  # a one-token completion
+    return rewards, values, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.7), (1.0, 1.0)])
+def test_gae_matches_backward_recursion(dtype, gamma, lam):
+    rewards, values, mask = gae_batch(dtype)
+    advantages, returns = gae(rewards, values, mask, gamma=gamma, lam=lam)
+    ref_a, ref_r = ref_gae(rewards.double().tolist(), values.double().tolist(), mask.tolist(), gamma, lam)
+    assert_matches(advantages, ref_a, dtype)
+    assert_matches(returns, ref_r, dtype)
+
+
+def test_gae_ignores_garbage_outside_the_mask():
+    rewards, values, mask = gae_batch(torch.float64)
+    dirty_r, dirty_v = rewards.clone(), values.clone()
+    dirty_r[~mask], dirty_v[~mask] = float("nan"), 1e9
+    clean, dirty = gae(rewards, values, mask), gae(dirty_r, dirty_v, mask)
+    for a, b in zip(clean, dirty):
+        assert torch.equal(a, b)
+        assert torch.equal(b[~mask], torch.zeros_like(b[~mask]))
+
+
+def test_gae_rejects_gaps_and_shape_mismatch():
+    mask = torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0]])
+    with pytest.raises(ValueError, match=r"rows \[0\]"):
+        gae(torch.zeros(2, 4), torch.zeros(2, 4), mask)
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        gae(torch.zeros(2, 4), torch.zeros(2, 3), mask)
+
+
+def test_whiten_matches_masked_reference():
+    x = random_rewards(groups=3, n=6, seed=5)
+    mask = torch.rand(3, 6, generator=torch.Generator().manual_seed(2)) > 0.3
+    picked = x[mask].tolist()
+    m = mean(picked)
+    var = sum((v - m) ** 2 for v in picked) / len(picked)
+    expected = [[(x[i, j].item() - m) / math.sqrt(var + 1e-8) if mask[i, j] else 0.0 for j in range(6)]
+                for i in range(3)]
+    assert_matches(whiten(x, mask), expected, torch.float64)
+    kept_mean = [[v + m if mask[i][j] else 0.0 for j, v in enumerate(row)] for i, row in enumerate(expected)]
+    assert_matches(whiten(x, mask, shift_mean=False), kept_mean, torch.float64)
+
+
+def test_whiten_two_ranks_equal_one_process():
+    x = random_rewards(groups=4, n=6, seed=6)
+    mask = torch.rand(4, 6, generator=torch.Generator().manual_seed(4)) > 0.4
+    shards = ((x[:1], mask[:1]), (x[1:], mask[1:]))
+    per_rank = on_two_ranks(lambda shard, gs: whiten(*shard, global_sum=gs), shards)
+    torch.testing.assert_close(torch.cat(per_rank), whiten(x, mask), rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- DAPO
+
+
+def test_informative_groups():
+    r = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.5, float("nan"), 0.5]])
+    assert informative_groups(r).tolist() == [False, True, False, False]
+
+
+@pytest.mark.parametrize("max_length,cache", [(20, 4), (10, 10)])
+def test_soft_overlong_penalty_matches_dapo(max_length, cache):
+    lengths = list(range(0, max_length + 5))
+    penalty = soft_overlong_penalty(torch.tensor(lengths), max_length=max_length, cache_length=cache)
+    expected = [ref_overlong(n, max_length, cache) for n in lengths]
+    assert penalty.dtype == torch.float32
+    torch.testing.assert_close(penalty.double(), torch.tensor(expected, dtype=torch.float64),
+                               rtol=0, atol=4 * F32_ULP)
+    assert soft_overlong_penalty([16, 21], max_length=20, cache_length=4).tolist() == [0.0, -1.0]
+
+
+def test_soft_overlong_penalty_rejects_bad_cache():
+    with pytest.raises(ConfigError, match="cache_length"):
+        soft_overlong_penalty([1], max_length=10, cache_length=11)
+
+
+def test_overlong_mask():
+    assert overlong_mask(["stop", "length", "stop"]).tolist() == [False, True, False]
+    assert overlong_mask([]).shape == (0,)

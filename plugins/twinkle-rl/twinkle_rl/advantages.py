@@ -1,0 +1,255 @@
+"""Advantage estimators of online RL, as plain torch functions.
+
+Group estimators take ``rewards`` shaped ``[num_groups, n]``: row ``g`` holds the scalar rewards of the ``n``
+completions sampled for prompt ``g``. They return advantages of the same shape and dtype (half precision is
+computed in float32). ``ESTIMATORS`` maps a recipe's ``advantage:`` name to one of them with a uniform
+signature; :func:`gae` is separate because PPO's estimate needs a value model.
+
+``global_sum`` is an optional callable ``(tensor) -> tensor`` returning the element-wise sum of a tensor over
+the data-parallel ranks (an all-reduce). Estimators that normalise over the whole batch use it, so that
+``R`` ranks holding ``1/R`` of the batch each get the advantages one process would get for all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from twinkle_core.errors import ConfigError
+
+GlobalSum = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _as_groups(rewards: torch.Tensor, where: str) -> torch.Tensor:
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 2:
+        shape = tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__
+        raise ValueError(f"{where}: rewards must be a tensor shaped [num_groups, n], got {shape}")
+    return _floating(rewards)
+
+
+def _floating(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype in (torch.float32, torch.float64):
+        return x
+    return x.to(torch.float32)  # integer rewards, or half precision whose eps would swamp small spreads
+
+
+def _like(result: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``result`` in ``source``'s dtype; float32 for integer sources."""
+    return result.to(source.dtype if source.is_floating_point() else torch.float32)
+
+
+# --------------------------------------------------------------------------- group baselines
+
+
+def grpo_advantages(rewards: torch.Tensor, *, scale_by_std: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO's group-relative advantage (Shao et al. 2024, DeepSeekMath, §4.1.2, outcome supervision):
+
+        A_i = (r_i - mean(r_group)) / (std(r_group) + eps)
+
+    ``std`` is the unbiased (``n - 1``) sample standard deviation, as ``torch.std`` and TRL's GRPO compute
+    it; ``eps`` (TRL's 1e-4) keeps a group of equal rewards at advantage 0 instead of 0/0.
+
+    ``scale_by_std=False`` is Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"):
+    ``A_i = r_i - mean(r_group)``, removing the per-question difficulty bias that the division introduces.
+    """
+    r = _as_groups(rewards, "grpo_advantages")
+    centered = r - r.mean(dim=1, keepdim=True)
+    if not scale_by_std:
+        return _like(centered, rewards)
+    if r.shape[1] < 2:
+        raise ConfigError(f"grpo_advantages: the group std needs n >= 2 completions per prompt, got n = "
+                          f"{r.shape[1]}; sample more per prompt or use dr_grpo (no std)")
+    advantages = centered / (r.std(dim=1, keepdim=True) + eps)
+    return _like(advantages, rewards)
+
+
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics", eq. 5 / Kool et al. 2019):
+
+        A_i = r_i - 1/(n-1) * sum_{j != i} r_j
+
+    each completion's baseline is the mean reward of the other ``n - 1`` samples of its prompt.
+    """
+    r = _as_groups(rewards, "rloo_advantages")
+    n = r.shape[1]
+    if n < 2:
+        raise ConfigError(f"rloo_advantages: the leave-one-out baseline needs n >= 2 completions per prompt, "
+                          f"got n = {n}")
+    others_mean = (r.sum(dim=1, keepdim=True) - r) / (n - 1)
+    advantages = r - others_mean
+    return _like(advantages, rewards)
+
+
+# --------------------------------------------------------------------------- batch normalisation
+
+
+def _global_moments(x: torch.Tensor, mask: torch.Tensor | None,
+                    global_sum: GlobalSum | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and population variance of ``x`` (where ``mask``) over all ranks, accumulated in float64.
+
+    One all-reduce of ``[sum x, sum x^2, count]``; float64 keeps ``E[x^2] - E[x]^2`` accurate for the
+    bounded values (rewards, advantages) this is used on.
+    """
+    x64 = x.to(torch.float64)
+    weight = torch.ones_like(x64) if mask is None else mask.to(torch.float64)
+    x64 = torch.where(weight > 0, x64, torch.zeros_like(x64))  # padding may hold garbage, even nan
+    sums = torch.stack([(x64 * weight).sum(), (x64 * x64 * weight).sum(), weight.sum()])
+    if global_sum is not None:
+        sums = global_sum(sums)
+    total, total_sq, count = sums.unbind()
+    count = count.clamp(min=1.0)
+    mean = total / count
+    variance = (total_sq / count - mean * mean).clamp(min=0.0)
+    return mean, variance
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, *, eps: float = 1e-8,
+                            global_sum: GlobalSum | None = None) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs"):
+
+        A = (r - mean_batch(r)) / (std_batch(r) + eps)
+
+    normalised over the whole global batch (all prompts, all samples, all ranks via ``global_sum``) rather
+    than per group. ``std`` is the population (``N``) standard deviation: it is what the global sums give
+    without a special case for ``N = 1``, and over a global batch ``N`` vs ``N - 1`` is immaterial. The
+    paper's per-token KL penalty belongs to the reward / loss, not to this normalisation.
+    """
+    r = _floating(rewards)
+    mean, variance = _global_moments(r, None, global_sum)
+    advantages = (r.to(torch.float64) - mean) / (variance.sqrt() + eps)
+    return _like(advantages, rewards)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8,
+           global_sum: GlobalSum | None = None) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over the positions where ``mask`` is true (PPO's advantage whitening).
+
+    Moments are the population ones, over all ranks when ``global_sum`` is given. ``shift_mean=False``
+    adds the mean back (only the scale changes). Positions outside ``mask`` are 0.
+    """
+    if x.shape != mask.shape:
+        raise ValueError(f"whiten: x {tuple(x.shape)} and mask {tuple(mask.shape)} must have the same shape")
+    mean, variance = _global_moments(x, mask, global_sum)
+    whitened = (x.to(torch.float64) - mean) * torch.rsqrt(variance + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    whitened = torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+    return _like(whitened, x)
+
+
+# --------------------------------------------------------------------------- PPO
+
+
+def _check_contiguous(mask: torch.Tensor) -> None:
+    if mask.shape[1] == 0:
+        return
+    starts = (mask[:, 1:] & ~mask[:, :-1]).sum(dim=1) + mask[:, 0].long()
+    if bool((starts > 1).any()):
+        rows = torch.nonzero(starts > 1).flatten().tolist()
+        raise ValueError(f"gae: the mask of rows {rows} has gaps; each row's completion tokens must be contiguous")
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 11-16), right to left over each row:
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}
+
+    with ``V`` and ``A`` after a row's last completion token taken as 0 (the episode ends there). All
+    tensors are ``[B, T]``; ``mask`` is true on completion tokens, contiguous in each row (left or right
+    padding either side). Returns ``(advantages, returns)``, ``returns = advantages + values``, both 0
+    outside ``mask`` (whatever ``token_rewards`` / ``values`` hold there, nan included). Both are float64
+    when an input is float64, else float32.
+    """
+    if not (token_rewards.shape == values.shape == mask.shape) or token_rewards.dim() != 2:
+        raise ValueError(f"gae: token_rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and mask "
+                         f"{tuple(mask.shape)} must all be [B, T]")
+    valid = mask.bool()
+    _check_contiguous(valid)
+    dtype = torch.promote_types(_floating(token_rewards).dtype, _floating(values).dtype)
+    zero = torch.zeros((), dtype=dtype, device=values.device)
+    rewards_ = torch.where(valid, token_rewards.to(dtype), zero)
+    values_ = torch.where(valid, values.to(dtype), zero)
+    advantages = torch.zeros_like(values_)
+    next_value = torch.zeros_like(values_[:, 0])
+    next_advantage = torch.zeros_like(values_[:, 0])
+    for t in range(values_.shape[1] - 1, -1, -1):
+        delta = rewards_[:, t] + gamma * next_value - values_[:, t]
+        advantage = torch.where(valid[:, t], delta + gamma * lam * next_advantage, zero)
+        advantages[:, t] = advantage
+        # outside the mask both stay 0, so the recursion starts afresh at each row's last valid token
+        next_value, next_advantage = values_[:, t], advantage
+    returns = torch.where(valid, advantages + values_, zero)
+    return advantages, returns
+
+
+# --------------------------------------------------------------------------- DAPO
+
+
+def informative_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """``[num_groups]`` bool: False where every reward of the group is equal (DAPO's dynamic sampling,
+    Yu et al. 2025, eq. 11, drops those: their group-relative advantages are all 0). A group holding a
+    nan is not informative either."""
+    r = _as_groups(rewards, "informative_groups")
+    return r.amax(dim=1) > r.amin(dim=1)
+
+
+def soft_overlong_penalty(lengths: torch.Tensor | Sequence[int], *, max_length: int,
+                          cache_length: int) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), with ``L = max_length``, ``C = cache_length``:
+
+        0                  if |y| <= L - C
+        ((L - C) - |y|) / C  if L - C < |y| <= L
+        -1                 if |y| > L
+
+    a penalty ramping from 0 to -1 over the last ``C`` tokens of the budget, added to the reward.
+    """
+    if not (0 < cache_length <= max_length):
+        raise ConfigError(f"soft_overlong_penalty: need 0 < cache_length <= max_length, got cache_length = "
+                          f"{cache_length}, max_length = {max_length}")
+    n = torch.as_tensor(lengths)
+    n = n.to(torch.float64 if n.dtype == torch.float64 else torch.float32)
+    soft_start = max_length - cache_length
+    ramp = (soft_start - n) / cache_length
+    penalty = torch.where(n <= soft_start, torch.zeros_like(n), ramp)
+    return torch.where(n > max_length, torch.full_like(n, -1.0), penalty)
+
+
+def overlong_mask(finish_reasons: Sequence[str], device: torch.device | str | None = None) -> torch.Tensor:
+    """``[N]`` bool, True for completions cut by the length limit (``finish_reason == "length"``, see
+    :class:`twinkle_core.sampling.Completion`): DAPO's overlong filtering (Yu et al. 2025, §3.4) masks
+    them out of the loss, since a truncated answer's reward says little about its reasoning."""
+    return torch.tensor([reason == "length" for reason in finish_reasons], dtype=torch.bool, device=device)
+
+
+# --------------------------------------------------------------------------- recipe names
+
+
+def _grpo(rewards: torch.Tensor, global_sum: GlobalSum | None = None, **options: Any) -> torch.Tensor:
+    return grpo_advantages(rewards, **options)  # per group: every group lives whole on one rank
+
+
+def _dr_grpo(rewards: torch.Tensor, global_sum: GlobalSum | None = None, **options: Any) -> torch.Tensor:
+    if "scale_by_std" in options:
+        raise ConfigError("dr_grpo never scales by the std; use 'grpo' with scale_by_std to choose")
+    return grpo_advantages(rewards, scale_by_std=False, **options)
+
+
+def _rloo(rewards: torch.Tensor, global_sum: GlobalSum | None = None, **options: Any) -> torch.Tensor:
+    return rloo_advantages(rewards, **options)
+
+
+def _reinforce_pp(rewards: torch.Tensor, global_sum: GlobalSum | None = None, **options: Any) -> torch.Tensor:
+    return reinforce_pp_advantages(rewards, global_sum=global_sum, **options)
+
+
+#: a recipe's advantage name -> ``(rewards [num_groups, n], global_sum=None, **options) -> [num_groups, n]``
+ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "grpo": _grpo,
+    "dr_grpo": _dr_grpo,
+    "rloo": _rloo,
+    "reinforce_pp": _reinforce_pp,
+}

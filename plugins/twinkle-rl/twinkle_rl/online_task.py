@@ -1,0 +1,348 @@
+"""The ``grpo`` task: online RL from verifiable rewards (GRPO, DAPO, Dr. GRPO, GSPO, RLOO, REINFORCE++).
+
+Each optimizer step trains on micro-batches the task makes itself (``Task.next_training_batch``): when
+its queue is empty it draws a batch of prompts from the data loader, samples ``num_generations``
+completions of each with the policy's current weights (the sampler), scores them (the rewards), turns
+the scores into advantages, and queues the completions for ``ppo_epochs`` passes of mini-batches. After
+every optimizer step the sampler is brought to the new weights (``Task.after_step``).
+
+``task_options`` (all optional):
+
+* ``num_generations`` (8): completions per prompt (a GRPO group);
+* ``sampler``: ``{"name": "hf_generate", ...options}`` (default: ``hf_generate`` on the policy's own weights);
+* ``sampling``: ``temperature`` (1.0), ``top_p``, ``top_k``, ``max_new_tokens`` (64), ``stop`` strings;
+* ``rewards``: a list of ``{"name": <registered name or module:function>, "weight": 1.0, "options": {}}`` (or
+  plain names); ``on_nan``: ``zero`` (default: a NaN score adds nothing, and is counted) or ``error``;
+* ``advantage``: ``grpo`` (default; group mean and std), ``dr_grpo`` (group mean only), ``rloo`` or
+  ``reinforce_pp``; ``advantage_options`` are passed to it;
+* ``ppo_epochs`` (1): passes over each rollout; ``micro_batch_size``: completions per micro-batch (default:
+  a rollout split into ``gradient_accumulation_steps`` micro-batches, i.e. one optimizer step per pass);
+  with several mini-batches or epochs the completions are shuffled per epoch;
+* ``reference``: ``auto`` (default: ``adapter`` with a LoRA adapter, else ``model``, and only when the loss's
+  ``beta`` is not 0), ``adapter``, ``model`` or ``none``: where the KL term's reference log-probs come from;
+* ``dynamic_sampling`` (false) and ``max_sampling_rounds`` (4), ``overlong_filter`` (false),
+  ``overlong_penalty``: ``{"max_length": L, "cache_length": C}`` (DAPO's soft overlong punishment);
+* ``max_prompt_length``, ``prompt_over_length`` (``skip`` or ``truncate_left``), ``chat_template`` (auto);
+* ``accuracy_reward``: the reward whose mean the logs call ``accuracy`` (default: the first);
+* ``seed``: of the sampling (default 0; every completion is seeded by its rollout, prompt and index, so
+  the completions do not depend on the number of ranks, and a resumed run samples the same ones).
+
+The loss defaults to ``grpo``; its ``temperature`` defaults to the sampling temperature (``loss_options``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from twinkle_core.errors import ConfigError
+from twinkle_core.sampling import SamplingParams
+from twinkle_core.task import Task
+from twinkle_rl.advantages import ESTIMATORS
+from twinkle_rl.experience import micro_batch_order, select_rows
+from twinkle_rl.losses.tempered import tempered_token_logprobs
+from twinkle_rl.prompts import PromptFeature, collate_prompts, read_prompts
+from twinkle_rl.reference import ReferenceProvider, make_reference, train_configs
+from twinkle_rl.rewards import RewardSet
+from twinkle_rl.rollout import Rollout, RolloutEngine, RolloutStats, global_max, global_sum
+
+logger = logging.getLogger("twinkle.rl")
+
+#: the losses whose log-probs are computed at a temperature (the sampling one by default)
+POLICY_LOSSES = frozenset({"grpo", "dapo", "dr_grpo", "gspo", "ppo"})
+REFERENCES = ("auto", "adapter", "model", "none")
+
+
+def _sampling_params(options: dict[str, Any] | None) -> SamplingParams:
+    options = dict(options or {})
+    known = set(SamplingParams.__dataclass_fields__)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"task_options.sampling got unknown option(s) {unknown}; known: {', '.join(sorted(known))}")
+    return SamplingParams(**options)
+
+
+class OnlineRLTask(Task):
+    name: ClassVar[str] = "grpo"
+    default_loss: ClassVar[str] = "grpo"
+    model_kind: ClassVar[str] = "causal_lm"
+    provides: ClassVar[frozenset[str]] = frozenset({"advantages", "old_logps", "ref_logps"})
+    has_eval_loss: ClassVar[bool] = False
+    curve_keys: ClassVar[tuple[str, ...]] = ("reward_mean", "accuracy", "completion_length_mean")
+
+    def __init__(self, *, num_generations: int = 8, sampler: dict[str, Any] | None = None,
+                 sampling: dict[str, Any] | None = None, rewards: list[Any] | None = None, on_nan: str = "zero",
+                 advantage: str = "grpo", advantage_options: dict[str, Any] | None = None, ppo_epochs: int = 1,
+                 micro_batch_size: int | None = None, reference: str = "auto", dynamic_sampling: bool = False,
+                 max_sampling_rounds: int = 4, overlong_filter: bool = False,
+                 overlong_penalty: dict[str, int] | None = None, max_prompt_length: int | None = None,
+                 prompt_over_length: str = "skip", chat_template: bool | None = None,
+                 accuracy_reward: str | None = None, adapter_name: str | None = None, seed: int = 0) -> None:
+        if num_generations < 1:
+            raise ConfigError(f"task_options.num_generations must be >= 1, got {num_generations}")
+        if advantage not in ESTIMATORS:
+            raise ConfigError(f"task_options.advantage must be one of {', '.join(sorted(ESTIMATORS))}, "
+                              f"got {advantage!r}")
+        if advantage in ("grpo", "dr_grpo", "rloo") and num_generations < 2:
+            raise ConfigError(f"task_options.advantage={advantage} compares completions of one prompt: "
+                              f"num_generations must be >= 2, got {num_generations}")
+        if ppo_epochs < 1:
+            raise ConfigError(f"task_options.ppo_epochs must be >= 1, got {ppo_epochs}")
+        if reference not in REFERENCES:
+            raise ConfigError(f"task_options.reference must be one of {', '.join(REFERENCES)}, got {reference!r}")
+        if not rewards:
+            raise ConfigError("task_options.rewards: online RL needs at least one reward, e.g. "
+                              "[{name: exact_match, options: {field: answer}}]")
+        super().__init__(num_generations=num_generations, sampler=sampler, sampling=sampling, rewards=rewards,
+                         advantage=advantage, ppo_epochs=ppo_epochs, micro_batch_size=micro_batch_size,
+                         reference=reference, seed=seed)
+        self.params = _sampling_params(sampling)
+        self.sampler_spec = dict(sampler or {"name": "hf_generate"})
+        self.reward_set = RewardSet(rewards, on_nan=on_nan)
+        self.num_generations, self.advantage = num_generations, advantage
+        self.advantage_options = dict(advantage_options or {})
+        self.ppo_epochs, self.micro_batch_size = ppo_epochs, micro_batch_size
+        self.reference = reference
+        self.dynamic = dict(dynamic_sampling=bool(dynamic_sampling), max_sampling_rounds=int(max_sampling_rounds),
+                            overlong_filter=bool(overlong_filter), overlong_penalty=overlong_penalty)
+        self.prompt_options = dict(max_prompt_length=max_prompt_length, over_length=prompt_over_length,
+                                   use_chat_template=chat_template)
+        self.accuracy_reward = accuracy_reward
+        self.adapter_name, self.seed = adapter_name, int(seed)
+        self.tokenizer: Any = None
+        self.engine: RolloutEngine | None = None
+        self.provider: ReferenceProvider | None = None
+        self.queue: list[dict[str, Any]] = []
+        self.rollouts = 0
+        self.stats = RolloutStats()
+
+    # ------------------------------------------------------------------ data
+    def load_dataset(self, path: Any, tokenizer: Any, *, max_length: int | None = None, mode: str | None = None,
+                     **unused: Any) -> list[PromptFeature]:
+        if mode not in (None, "chat"):
+            raise ConfigError(f"data.mode: the {self.name} task reads prompt rows, got mode {mode!r}")
+        if unused.get("packing"):
+            raise ConfigError(f"data.packing: the {self.name} task makes its own batches of completions; "
+                              f"remove data.packing")
+        self.tokenizer = tokenizer
+        options = dict(self.prompt_options)
+        if options["max_prompt_length"] is None and max_length is not None:
+            options["max_prompt_length"] = max(int(max_length) - self.params.max_new_tokens, 1)
+        features, counts = read_prompts(path, tokenizer, **options)
+        self.prompt_counts = counts
+        return features
+
+    def collate(self, features: list[Any]) -> dict[str, Any]:
+        return collate_prompts(features)
+
+    def micro_batches_per_data_batch(self, batch_size: int) -> int:
+        completions = batch_size * self.num_generations
+        return self.ppo_epochs * (completions // self.micro_batch_size if self.micro_batch_size else 1)
+
+    def loss_options(self, loss_name: str) -> dict[str, Any]:
+        return {"temperature": self.params.temperature or 1.0} if loss_name in POLICY_LOSSES else {}
+
+    # ------------------------------------------------------------------ set-up
+    def _pad_token_id(self) -> int:
+        tok = self.tokenizer
+        pad = getattr(tok, "pad_token_id", None)
+        return int(pad if pad is not None else tok.eos_token_id)
+
+    def _engine(self, model: Any) -> RolloutEngine:
+        if self.engine is None:
+            from twinkle_core.plugins import get_plugins
+
+            if self.tokenizer is None:
+                raise ConfigError(f"the {self.name} task needs load_dataset(path, tokenizer) before training")
+            spec = dict(self.sampler_spec)
+            sampler = get_plugins().load("sampler", spec.pop("name", "hf_generate"))(**spec)
+            name = self.adapter_name or (self._only_adapter(model))
+            sampler.bind(model, self.tokenizer, adapter_name=name)
+            # a push sampler's copy starts from the current weights (also those of a resumed checkpoint)
+            sampler.sync_weights(model, step=int(train_configs(model).get("step") or 0))
+            params = self.params
+            end_of_turn = self._end_of_turn_ids()
+            if end_of_turn:
+                params = SamplingParams(**{**params.__dict__, "stop_token_ids": tuple(sorted(
+                    set(params.stop_token_ids) | end_of_turn))})
+            self.engine = RolloutEngine(
+                sampler=sampler, rewards=self.reward_set, params=params, num_generations=self.num_generations,
+                estimator=self.advantage, estimator_options=self.advantage_options, seed=self.seed,
+                pad_token_id=self._pad_token_id(), **self.dynamic)
+        return self.engine
+
+    def _end_of_turn_ids(self) -> set[int]:
+        if not getattr(self.tokenizer, "chat_template", None) or self.prompt_options["use_chat_template"] is False:
+            return set()
+        from twinkle_core.data.template import Template
+
+        return set(Template(self.tokenizer, mode="chat").end_of_turn_ids)
+
+    @staticmethod
+    def _only_adapter(model: Any) -> str | None:
+        adapters = list(train_configs(model).get("adapters") or [])
+        if len(adapters) > 1:
+            raise ConfigError(f"the model has several adapters {adapters}; name the one this task trains with "
+                              f"task_options.adapter_name")
+        return adapters[0] if adapters else None
+
+    def _reference(self, model: Any) -> ReferenceProvider | None:
+        loss = train_configs(model).get("loss") or {}
+        if not float(loss.get("beta", 0.0) or 0.0):
+            return None
+        if self.provider is None:
+            choice = self.reference
+            if choice == "auto":
+                choice = "adapter" if train_configs(model).get("adapters") else "model"
+            if choice == "none":
+                raise ConfigError(f"loss {loss.get('name')!r} has beta={loss.get('beta')} (a KL term) but "
+                                  f"task_options.reference is none; set a reference or beta: 0")
+            self.provider = make_reference(choice, adapter_name=self.adapter_name)
+            self.provider.prepare(model)
+        return self.provider
+
+    def prepare_dataset(self, model: Any, dataset: Any, *, split: str, output_dir: str) -> Any:
+        # the frozen reference must copy the initial weights: before a resumed run loads its checkpoint
+        if split == "train" and self.reference in ("auto", "model"):
+            self._reference(model)
+        return dataset
+
+    # ------------------------------------------------------------------ training batches
+    def _micro_batch_size(self, model: Any, rollout_size: int) -> int:
+        if self.micro_batch_size:
+            return int(self.micro_batch_size)
+        ga = int(train_configs(model).get("gradient_accumulation_steps") or 1)
+        if rollout_size % ga:
+            raise ConfigError(f"a rollout of {rollout_size} completions does not split into "
+                              f"train.gradient_accumulation_steps={ga} micro-batches; set task_options."
+                              f"micro_batch_size or change data.batch_size / num_generations")
+        return rollout_size // ga
+
+    def next_training_batch(self, model: Any, draw: Any) -> dict[str, Any]:
+        if not self.queue:
+            engine = self._engine(model)
+            rollout = engine.run(draw, self.rollouts, self.stats)
+            size = rollout.batch["input_ids"].shape[0]
+            micro_batch_size = self._micro_batch_size(model, size)
+            self._after_rollout(model, rollout, micro_batch_size)
+            order = micro_batch_order(size, micro_batch_size=micro_batch_size,
+                                      epochs=self.ppo_epochs,
+                                      shuffle=self.ppo_epochs > 1 or self.micro_batch_size not in (None, size),
+                                      seed=self.seed, rollout=self.rollouts)
+            self.queue = [select_rows(rollout.batch, rows) for rows in order]
+            self.rollouts += 1
+        return self.prepare_batch(model, self.queue.pop(0))
+
+    def _after_rollout(self, model: Any, rollout: Rollout, micro_batch_size: int) -> None:
+        """Complete a rollout's experience before it is queued (the ppo task adds the critic's advantages)."""
+
+    def prepare_batch(self, model: Any, batch: dict[str, Any]) -> dict[str, Any]:
+        provider = self._reference(model)
+        if provider is not None and "ref_logps" not in batch:
+            with torch.no_grad():
+                logits = provider.logits(model, batch)
+                logps = tempered_token_logprobs(logits, batch["labels"].to(logits.device),
+                                                temperature=self.params.temperature or 1.0).logps
+            batch = {**batch, "ref_logps": logps.detach().float().cpu()}
+        return batch
+
+    def after_step(self, model: Any, *, step: int) -> None:
+        if self.engine is not None:
+            self.engine.sampler.sync_weights(model, step=step)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, model: Any, dataset: Any, tokenizer: Any, *, limit: int | None = None, batch_size: int = 16,
+                 temperature: float = 0.0, num_generations: int = 1) -> dict[str, float]:
+        """Rewards of completions of the held-out prompts (``data.eval``), greedy by default: ``reward_mean``,
+        ``reward/<name>``, ``accuracy`` and ``completion_length_mean``. Each rank answers its share."""
+        from twinkle_core import distributed
+        from twinkle_core.sampling import sample_seed
+
+        if dataset is None:
+            raise ConfigError(f"the {self.name} task evaluates on data.eval; set it")
+        engine = self._engine(model)
+        prompts = list(dataset)[: None if limit is None else int(limit)]
+        mine = prompts[distributed.rank()::distributed.world_size()]
+        params = SamplingParams(**{**engine.params.__dict__, "temperature": float(temperature)})
+        names = self.reward_set.names
+        sums = torch.zeros(len(names) + 3, dtype=torch.float64)  # rewards..., total, length, count
+        chunks = max(math.ceil(len(prompts) / max(distributed.world_size(), 1) / batch_size), 1)
+        for c in range(chunks):  # the same number of sampler calls on every rank (a lockstep sampler)
+            chunk = mine[c * batch_size:(c + 1) * batch_size]
+            seeds = [[sample_seed(self.seed, -1, f.index, j) for j in range(num_generations)] for f in chunk]
+            groups = engine.sampler.sample([f.prompt_ids for f in chunk], n=num_generations, params=params,
+                                           seeds=seeds)
+            if not chunk:
+                continue
+            completions = [c_ for g in groups for c_ in g]
+            keys = sorted({k for f in chunk for k in f.fields})
+            fields = {k: [f.fields.get(k) for f in chunk for _ in range(num_generations)] for k in keys}
+            scores = self.reward_set.score([f.text for f in chunk for _ in range(num_generations)],
+                                           [x.text for x in completions], fields)
+            for i, name in enumerate(names):
+                sums[i] += sum(v for v in scores.per_reward[name] if not math.isnan(v))
+            sums[-3] += sum(scores.total)
+            sums[-2] += sum(len(x.token_ids) for x in completions)
+            sums[-1] += len(completions)
+        sums = global_sum(sums)
+        count = float(sums[-1]) or 1.0
+        out = {f"reward/{name}": float(sums[i]) / count for i, name in enumerate(names)}
+        out["reward_mean"] = float(sums[-3]) / count
+        out["completion_length_mean"] = float(sums[-2]) / count
+        accuracy = self.accuracy_reward or (names[0] if names else None)
+        if accuracy is not None and f"reward/{accuracy}" in out:
+            out["accuracy"] = out[f"reward/{accuracy}"]
+        out["num_examples"] = int(sums[-1])
+        return out
+
+    # ------------------------------------------------------------------ state and logs
+    def state_dict(self) -> dict[str, Any]:
+        return {"rollouts": self.rollouts, "queue": [dict(b) for b in self.queue]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rollouts = int(state.get("rollouts", 0))
+        self.queue = [dict(b) for b in state.get("queue", [])]
+
+    def step_metrics(self) -> dict[str, float]:
+        stats, self.stats = self.stats, RolloutStats()
+        keys = sorted(set(stats.sums) | self._known_sums())
+        sums = global_sum(torch.tensor([stats.sums.get(k, 0.0) for k in keys], dtype=torch.float64))
+        total = dict(zip(keys, sums.tolist(), strict=True))
+        maxima = global_max(stats.maxima, ["completion_length_max"])
+        count = total.get("completions", 0.0)
+        if not count:
+            return {}
+        mean = total["reward"] / count
+        out = {"reward_mean": mean,
+               "reward_std": math.sqrt(max(total["reward_sq"] / count - mean * mean, 0.0)),
+               "completion_length_mean": total["completion_tokens"] / count,
+               "clipped_fraction": total["truncated"] / count,
+               "completion_length_max": maxima.get("completion_length_max", 0.0),
+               "sampler_time_s": total["sampler_time_s"],
+               "sampler_tokens_per_s": total["completion_tokens"] / max(total["sampler_time_s"], 1e-9),
+               "nan_rewards": total["nan_rewards"], "empty_completions": total["empty_completions"]}
+        if self.dynamic["dynamic_sampling"]:
+            out["groups_dropped"] = total.get("groups_dropped", 0.0)
+            out["groups_filled_uninformative"] = total.get("groups_filled_uninformative", 0.0)
+        names = [k[len("reward/"):] for k in keys if k.startswith("reward/") and not k.endswith("#count")]
+        for name in names:
+            n = total.get(f"reward/{name}#count", 0.0)
+            out[f"reward/{name}"] = total[f"reward/{name}"] / n if n else float("nan")
+        accuracy = self.accuracy_reward or (names[0] if names else None)
+        if accuracy is not None and f"reward/{accuracy}" in out:
+            out["accuracy"] = out[f"reward/{accuracy}"]
+        return out
+
+    def _known_sums(self) -> set[str]:
+        # every rank reduces the same keys, also a rank whose rollout had none of them
+        base = {"completions", "reward", "reward_sq", "completion_tokens", "truncated", "sampler_time_s",
+                "nan_rewards", "empty_completions", "groups_dropped", "groups_filled_uninformative"}
+        return base | {f"reward/{n}" for n in self.reward_set.names} | {f"reward/{n}#count"
+                                                                        for n in self.reward_set.names}
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.sampler.close()
