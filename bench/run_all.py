@@ -21,7 +21,7 @@ from pathlib import Path
 
 import _common as C
 
-SCRIPTS = ("step_time", "mfu", "throughput_vs_trainer", "multi_lora_memory")  # mfu reads step_time's result
+SCRIPTS = ("step_time", "mfu", "throughput_vs_trainer", "multi_lora_memory", "sampler")  # mfu reads step_time's result
 
 
 def load(name: str, out_dir: Path) -> dict | None:
@@ -113,6 +113,16 @@ def combined_table(out_dir: Path) -> str:
                      f"{q['full_n_over_multi_lora_tracked']:.1f}x", "-", "-",
                      f"peak RSS {mib(sc['full_n']['max_rss_bytes'])} ({q['full_n_over_multi_lora_max_rss']:.2f}x; "
                      f"{n} processes {q['n_processes_full_1_over_multi_lora_max_rss']:.1f}x)", load_text(r)])
+    r = load("sampler", out_dir)
+    if r:
+        for mode, res in r["result"].items():
+            tps, ratio = res["tokens_per_s"], res["ratio"]
+            rows.append([f"(i) RL sampler ({mode}), generated tokens/s", f"{tps['sampler']['median']:.0f}",
+                         f"model.generate {tps['generate']['median']:.0f}",
+                         f"{ratio['median']:.3f} [{ratio['p25']:.3f}-{ratio['p75']:.3f}]", "≥ 0.95",
+                         yes(ratio["median"] >= r["target_ratio_min"]),
+                         f"{r['settings']['prompts']} prompts x {r['settings']['new_tokens']} new tokens, "
+                         f"{r['model']['parameters'] / 1e6:.1f}M params", load_text(r)])
     headers = ["benchmark", "Twinkle", "reference", "ratio", "target", "met", "notes", "load 1-min (start→end)"]
     return C.markdown_table(headers, rows)
 

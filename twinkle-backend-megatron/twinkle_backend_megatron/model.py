@@ -33,8 +33,8 @@ import torch
 from twinkle_backend_megatron import convert
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
 from twinkle_core.loss.base import LossOutput
-from twinkle_core.model.frozen import trains
 from twinkle_core.model.base import TwinkleModel
+from twinkle_core.model.frozen import trains
 from twinkle_core.model.torch_model import FULL_MODEL, TorchTwinkleModel
 from twinkle_core.model.train_state import TrainState
 from twinkle_core.sources import resolve
@@ -65,10 +65,17 @@ class MegatronModel(TorchTwinkleModel):
     def __init__(self, *, model_id: str | None = None, config: Any = None, revision: str | None = None,
                  trust_remote_code: bool | None = None, recompute: str | None = None,
                  transformer_config: dict[str, Any] | None = None, strategy: Any = "megatron",
+                 attn_implementation: str | None = None, gradient_checkpointing: bool = False,
                  **kwargs: Any) -> None:
         if model_id is None and config is None:
             raise ConfigError("MegatronModel needs model_id= (a path, hf:// or ms:// id) or config= "
                               "(a transformers config or a dict with model_type)")
+        # the two options every model class takes from the trainer (see twinkle_core.train.loop)
+        if attn_implementation is not None:
+            raise ConfigError(f"model.attn_implementation={attn_implementation!r}: MegatronModel builds megatron-core's "
+                              f"own attention; remove the option")
+        if gradient_checkpointing and recompute is None:
+            recompute = "full"  # activation checkpointing, in megatron-core's terms
         if recompute not in _RECOMPUTE:
             raise ConfigError(f"recompute must be one of {[k for k in _RECOMPUTE if k]} or None, got {recompute!r}")
         precision = kwargs.get("precision", "no")

@@ -224,6 +224,19 @@ def _bar_friendly_logging(show_bar: bool) -> Any:
 
 
 # ---------------------------------------------------------------------- trainer
+def _same_state(a: Any, b: Any) -> bool:
+    """Equality of nested task states holding tensors."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    if hasattr(a, "shape") and hasattr(b, "shape"):
+        import torch
+
+        return bool(a.shape == b.shape and torch.equal(a, b))
+    return bool(a == b)
+
+
 class Trainer:
     """One training run. ``Trainer(recipe).run()`` is what :func:`train` does."""
 
@@ -395,7 +408,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, name: str, state: dict[str, Any] | None = None, **kwargs: Any) -> str:
-        state = state or self._state()
+        state = dict(state or self._state())
+        # the task's state is per rank (each rank's share of a rollout queue): gathered, since only the main
+        # process writes the extra state
+        state["task"] = {"per_rank": distributed.all_gather_object(state.get("task") or {})}
         o = self.recipe.optimizer
         extra = {**state, "total_steps": self.total_steps,
                  "optimizer_options": {"lr": o.lr, "weight_decay": o.weight_decay}}  # checked on resume
@@ -454,7 +470,7 @@ class Trainer:
         self.step = int(extra.get("step", 0))
         self.epoch = int(extra.get("epoch", 0))
         self.loader.set_epoch(self.epoch)
-        self.task.load_state_dict(extra.get("task") or {})
+        self.task.load_state_dict(self._local_task_state(path, extra.get("task") or {}))
         if extra.get("loader") is not None:
             self.loader.load_state_dict(extra["loader"])
         else:
@@ -462,6 +478,22 @@ class Trainer:
         self._last_saved_step = self.step
         logger.info("resumed from %s at step %d (epoch %d)", path, self.step, self.epoch)
         return str(path)
+
+    @staticmethod
+    def _local_task_state(path: Path, saved: dict[str, Any]) -> dict[str, Any]:
+        """This rank's task state from a checkpoint: its own at the same world size; at another, only a state every
+        rank shared (a rollout boundary) carries over."""
+        if "per_rank" not in saved:
+            return saved
+        states, world = saved["per_rank"], distributed.world_size()
+        if len(states) == world:
+            return states[distributed.rank()]
+        if all(_same_state(states[0], other) for other in states[1:]):
+            return states[0]
+        raise ConfigError(
+            f"train.resume: {path} holds the task's per-rank state of {len(states)} ranks (e.g. the rest of an RL "
+            f"rollout each rank was training on); resume it with {len(states)} ranks, or from a checkpoint written "
+            f"between two rollouts")
 
     def _check_resumed_optimizer(self, path: Path, saved: dict[str, Any]) -> None:
         """Refuse an optimizer option that differs from the checkpoint's: the resumed optimizer and schedule

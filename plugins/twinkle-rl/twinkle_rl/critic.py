@@ -72,7 +72,8 @@ class Critic:
 
     def metrics(self) -> dict[str, float]:
         out = self.model.calculate_metric(reset=True)
-        return {f"critic/{k}": v for k, v in out.items()}
+        # the policy's line already carries the step; the critic's learning rate is its recipe value
+        return {f"critic/{k}": v for k, v in out.items() if k not in ("step", "lr", "tokens")}
 
     def save(self, directory: str) -> None:
         self.model.save(CRITIC_DIR, output_dir=directory)

@@ -33,7 +33,6 @@ The loss defaults to ``grpo``; its ``temperature`` defaults to the sampling temp
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, ClassVar
 
 import torch
@@ -44,10 +43,12 @@ from twinkle_core.task import Task
 from twinkle_rl.advantages import ESTIMATORS
 from twinkle_rl.experience import micro_batch_order, select_rows
 from twinkle_rl.losses.tempered import tempered_token_logprobs
+from twinkle_rl.one_step_off import InflightRollout, check_one_step_off
+from twinkle_rl.online_report import evaluate_prompts, summarise
 from twinkle_rl.prompts import PromptFeature, collate_prompts, read_prompts
 from twinkle_rl.reference import ReferenceProvider, make_reference, train_configs
 from twinkle_rl.rewards import RewardSet
-from twinkle_rl.rollout import Rollout, RolloutEngine, RolloutStats, global_max, global_sum
+from twinkle_rl.rollout import DataParallel, Rollout, RolloutEngine, RolloutStats
 
 logger = logging.getLogger("twinkle.rl")
 
@@ -80,7 +81,8 @@ class OnlineRLTask(Task):
                  max_sampling_rounds: int = 4, overlong_filter: bool = False,
                  overlong_penalty: dict[str, int] | None = None, max_prompt_length: int | None = None,
                  prompt_over_length: str = "skip", chat_template: bool | None = None,
-                 accuracy_reward: str | None = None, adapter_name: str | None = None, seed: int = 0) -> None:
+                 accuracy_reward: str | None = None, adapter_name: str | None = None, seed: int = 0,
+                 one_step_off: bool = False) -> None:
         if num_generations < 1:
             raise ConfigError(f"task_options.num_generations must be >= 1, got {num_generations}")
         if advantage not in ESTIMATORS:
@@ -116,6 +118,10 @@ class OnlineRLTask(Task):
         self.engine: RolloutEngine | None = None
         self.provider: ReferenceProvider | None = None
         self.queue: list[dict[str, Any]] = []
+        self.one_step_off = bool(one_step_off)
+        self.inflight: InflightRollout | None = None
+        self.inflight_state: dict[str, Any] | None = None  # from a checkpoint: relaunched at the next rollout
+        self.train_features: list[PromptFeature] = []
         self.rollouts = 0
         self.stats = RolloutStats()
 
@@ -171,7 +177,7 @@ class OnlineRLTask(Task):
             self.engine = RolloutEngine(
                 sampler=sampler, rewards=self.reward_set, params=params, num_generations=self.num_generations,
                 estimator=self.advantage, estimator_options=self.advantage_options, seed=self.seed,
-                pad_token_id=self._pad_token_id(), **self.dynamic)
+                pad_token_id=self._pad_token_id(), dp=DataParallel.of(model), **self.dynamic)
         return self.engine
 
     def _end_of_turn_ids(self) -> set[int]:
@@ -205,6 +211,8 @@ class OnlineRLTask(Task):
         return self.provider
 
     def prepare_dataset(self, model: Any, dataset: Any, *, split: str, output_dir: str) -> Any:
+        if split == "train":
+            self.train_features = list(dataset)  # a resumed one-step-off run relaunches its in-flight prompts
         # the frozen reference must copy the initial weights: before a resumed run loads its checkpoint
         if split == "train" and self.reference in ("auto", "model"):
             self._reference(model)
@@ -221,10 +229,32 @@ class OnlineRLTask(Task):
                               f"micro_batch_size or change data.batch_size / num_generations")
         return rollout_size // ga
 
+    def _next_rollout(self, model: Any, draw: Any) -> Rollout:
+        engine = self._engine(model)
+        if not self.one_step_off:
+            return engine.run(draw, self.rollouts, self.stats)
+        check_one_step_off(engine)
+        if self.inflight is None:  # the first rollout, or the one in flight when the checkpoint was written
+            self.inflight = InflightRollout(engine, self._inflight_features(draw), self.rollouts)
+        current, self.inflight = self.inflight, None
+        rollout = current.result()
+        self.stats.merge(current.stats)
+        step = int(train_configs(model).get("step") or 0)
+        self.stats.add("policy_lag", (step - current.policy_step) * len(rollout.completions))
+        # the sampler is idle now: give it the current weights, then sample the next rollout while this one trains
+        engine.sampler.sync_weights(model, step=step)
+        self.inflight = InflightRollout(engine, list(draw()["prompts"]), self.rollouts + 1)
+        return rollout
+
+    def _inflight_features(self, draw: Any) -> list[PromptFeature]:
+        if self.inflight_state is None:
+            return list(draw()["prompts"])
+        indices, self.inflight_state = self.inflight_state["prompt_index"], None
+        return [self.train_features[i] for i in indices]
+
     def next_training_batch(self, model: Any, draw: Any) -> dict[str, Any]:
         if not self.queue:
-            engine = self._engine(model)
-            rollout = engine.run(draw, self.rollouts, self.stats)
+            rollout = self._next_rollout(model, draw)
             size = rollout.batch["input_ids"].shape[0]
             micro_batch_size = self._micro_batch_size(model, size)
             self._after_rollout(model, rollout, micro_batch_size)
@@ -250,7 +280,8 @@ class OnlineRLTask(Task):
         return batch
 
     def after_step(self, model: Any, *, step: int) -> None:
-        if self.engine is not None:
+        # one step off: the sampler is busy with the next rollout; it gets the weights when that one is collected
+        if self.engine is not None and not self.one_step_off:
             self.engine.sampler.sync_weights(model, step=step)
 
     # ------------------------------------------------------------------ evaluation
@@ -258,91 +289,38 @@ class OnlineRLTask(Task):
                  temperature: float = 0.0, num_generations: int = 1) -> dict[str, float]:
         """Rewards of completions of the held-out prompts (``data.eval``), greedy by default: ``reward_mean``,
         ``reward/<name>``, ``accuracy`` and ``completion_length_mean``. Each rank answers its share."""
-        from twinkle_core import distributed
-        from twinkle_core.sampling import sample_seed
-
         if dataset is None:
             raise ConfigError(f"the {self.name} task evaluates on data.eval; set it")
         engine = self._engine(model)
+        if self.inflight is not None:  # the sampler is busy on its thread: let it finish, then evaluate the policy
+            self.inflight.wait()
+            engine.sampler.sync_weights(model, step=int(train_configs(model).get("step") or 0))
         prompts = list(dataset)[: None if limit is None else int(limit)]
-        mine = prompts[distributed.rank()::distributed.world_size()]
-        params = SamplingParams(**{**engine.params.__dict__, "temperature": float(temperature)})
-        names = self.reward_set.names
-        sums = torch.zeros(len(names) + 3, dtype=torch.float64)  # rewards..., total, length, count
-        chunks = max(math.ceil(len(prompts) / max(distributed.world_size(), 1) / batch_size), 1)
-        for c in range(chunks):  # the same number of sampler calls on every rank (a lockstep sampler)
-            chunk = mine[c * batch_size:(c + 1) * batch_size]
-            seeds = [[sample_seed(self.seed, -1, f.index, j) for j in range(num_generations)] for f in chunk]
-            groups = engine.sampler.sample([f.prompt_ids for f in chunk], n=num_generations, params=params,
-                                           seeds=seeds)
-            if not chunk:
-                continue
-            completions = [c_ for g in groups for c_ in g]
-            keys = sorted({k for f in chunk for k in f.fields})
-            fields = {k: [f.fields.get(k) for f in chunk for _ in range(num_generations)] for k in keys}
-            scores = self.reward_set.score([f.text for f in chunk for _ in range(num_generations)],
-                                           [x.text for x in completions], fields)
-            for i, name in enumerate(names):
-                sums[i] += sum(v for v in scores.per_reward[name] if not math.isnan(v))
-            sums[-3] += sum(scores.total)
-            sums[-2] += sum(len(x.token_ids) for x in completions)
-            sums[-1] += len(completions)
-        sums = global_sum(sums)
-        count = float(sums[-1]) or 1.0
-        out = {f"reward/{name}": float(sums[i]) / count for i, name in enumerate(names)}
-        out["reward_mean"] = float(sums[-3]) / count
-        out["completion_length_mean"] = float(sums[-2]) / count
-        accuracy = self.accuracy_reward or (names[0] if names else None)
-        if accuracy is not None and f"reward/{accuracy}" in out:
-            out["accuracy"] = out[f"reward/{accuracy}"]
-        out["num_examples"] = int(sums[-1])
-        return out
+        return evaluate_prompts(engine, prompts, seed=self.seed, batch_size=batch_size, temperature=temperature,
+                                num_generations=num_generations, accuracy_reward=self.accuracy_reward)
 
     # ------------------------------------------------------------------ state and logs
     def state_dict(self) -> dict[str, Any]:
-        return {"rollouts": self.rollouts, "queue": [dict(b) for b in self.queue]}
+        state: dict[str, Any] = {"rollouts": self.rollouts, "queue": [dict(b) for b in self.queue]}
+        inflight = self.inflight.state() if self.inflight is not None else self.inflight_state
+        if inflight is not None:
+            state["inflight"] = inflight
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rollouts = int(state.get("rollouts", 0))
         self.queue = [dict(b) for b in state.get("queue", [])]
+        self.inflight_state = state.get("inflight")
 
     def step_metrics(self) -> dict[str, float]:
         stats, self.stats = self.stats, RolloutStats()
-        keys = sorted(set(stats.sums) | self._known_sums())
-        sums = global_sum(torch.tensor([stats.sums.get(k, 0.0) for k in keys], dtype=torch.float64))
-        total = dict(zip(keys, sums.tolist(), strict=True))
-        maxima = global_max(stats.maxima, ["completion_length_max"])
-        count = total.get("completions", 0.0)
-        if not count:
-            return {}
-        mean = total["reward"] / count
-        out = {"reward_mean": mean,
-               "reward_std": math.sqrt(max(total["reward_sq"] / count - mean * mean, 0.0)),
-               "completion_length_mean": total["completion_tokens"] / count,
-               "clipped_fraction": total["truncated"] / count,
-               "completion_length_max": maxima.get("completion_length_max", 0.0),
-               "sampler_time_s": total["sampler_time_s"],
-               "sampler_tokens_per_s": total["completion_tokens"] / max(total["sampler_time_s"], 1e-9),
-               "nan_rewards": total["nan_rewards"], "empty_completions": total["empty_completions"]}
-        if self.dynamic["dynamic_sampling"]:
-            out["groups_dropped"] = total.get("groups_dropped", 0.0)
-            out["groups_filled_uninformative"] = total.get("groups_filled_uninformative", 0.0)
-        names = [k[len("reward/"):] for k in keys if k.startswith("reward/") and not k.endswith("#count")]
-        for name in names:
-            n = total.get(f"reward/{name}#count", 0.0)
-            out[f"reward/{name}"] = total[f"reward/{name}"] / n if n else float("nan")
-        accuracy = self.accuracy_reward or (names[0] if names else None)
-        if accuracy is not None and f"reward/{accuracy}" in out:
-            out["accuracy"] = out[f"reward/{accuracy}"]
-        return out
-
-    def _known_sums(self) -> set[str]:
-        # every rank reduces the same keys, also a rank whose rollout had none of them
-        base = {"completions", "reward", "reward_sq", "completion_tokens", "truncated", "sampler_time_s",
-                "nan_rewards", "empty_completions", "groups_dropped", "groups_filled_uninformative"}
-        return base | {f"reward/{n}" for n in self.reward_set.names} | {f"reward/{n}#count"
-                                                                        for n in self.reward_set.names}
+        dp = self.engine.dp if self.engine is not None else DataParallel()
+        return summarise(stats, dp, reward_names=self.reward_set.names, accuracy_reward=self.accuracy_reward,
+                         one_step_off=self.one_step_off, dynamic_sampling=self.dynamic["dynamic_sampling"])
 
     def close(self) -> None:
+        if self.inflight is not None:
+            self.inflight.cancel()
+            self.inflight = None
         if self.engine is not None:
             self.engine.sampler.close()

@@ -25,7 +25,7 @@ from twinkle_core.errors import ConfigError
 from twinkle_rl.advantages import gae, whiten
 from twinkle_rl.critic import Critic, generalized_advantages
 from twinkle_rl.online_task import OnlineRLTask
-from twinkle_rl.rollout import Rollout, global_sum
+from twinkle_rl.rollout import Rollout
 
 CRITIC_OPTIONS = ("lr", "weight_decay", "max_grad_norm", "clip_range_value", "model_id")
 
@@ -73,7 +73,7 @@ class PPOTask(OnlineRLTask):
                                                      lam=self.lam, gae=gae)
         mask = batch["labels"][:, 1:] != -100
         if self.whiten_advantages:
-            advantages = whiten(advantages, mask, global_sum=global_sum)
+            advantages = whiten(advantages, mask, global_sum=self._engine(model).dp.sum)
         batch["advantages"] = torch.where(mask, advantages, torch.zeros_like(advantages)).float()
         batch["returns"] = returns.float()
         batch["old_values"] = values

@@ -2,7 +2,7 @@
 
 :class:`RolloutEngine` runs on every rank on that rank's share of the prompts, so a group of ``n``
 completions of one prompt is always sampled, scored and normalised on one rank. Only the estimators
-that normalise over the whole batch (REINFORCE++) reduce over the ranks, through ``global_sum``.
+that normalise over the whole batch (REINFORCE++) reduce over the data-parallel ranks (:class:`DataParallel`).
 
 Dynamic sampling (DAPO): groups whose rewards are all equal carry no signal for group-relative
 advantages; with ``dynamic_sampling`` they are dropped and more prompts are drawn until the rollout has
@@ -45,37 +45,60 @@ class RolloutStats:
     def max(self, key: str, value: float) -> None:
         self.maxima[key] = max(self.maxima.get(key, -math.inf), float(value))
 
-
-def _any_rank(flag: bool) -> bool:
-    if distributed.world_size() <= 1:
-        return flag
-    from twinkle_core.accelerator import current_accelerator
-
-    value = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=current_accelerator().device())
-    return bool(distributed.all_reduce_sum(value).item() > 0)
+    def merge(self, other: RolloutStats) -> None:
+        for key, value in other.sums.items():
+            self.add(key, value)
+        for key, value in other.maxima.items():
+            self.max(key, value)
 
 
-def global_sum(value: torch.Tensor) -> torch.Tensor:
-    """``value`` summed over every rank, on the CPU (unchanged in one process)."""
-    if distributed.world_size() <= 1:
-        return value
-    from twinkle_core.accelerator import current_accelerator
+@dataclass(frozen=True)
+class DataParallel:
+    """The data-parallel ranks a rollout is spread over: every reduction of rollouts runs over ``group`` only, so
+    tensor- or pipeline-parallel ranks, which hold the same prompts, are not counted twice."""
 
-    return distributed.all_reduce_sum(value.to(current_accelerator().device())).cpu()
+    rank: int = 0
+    size: int = 1
+    group: Any = None
 
+    @classmethod
+    def of(cls, model: Any) -> DataParallel:
+        # the trainer's convention (twinkle_core.train.loop): a model with model parallelism exposes its
+        # data-parallel coordinates on its strategy; otherwise every rank is a data-parallel rank
+        strategy = getattr(model, "strategy", None)
+        rank, size = getattr(strategy, "dp_rank", None), getattr(strategy, "dp_size", None)
+        if isinstance(rank, int) and isinstance(size, int) and not isinstance(rank, bool):
+            return cls(rank, size, getattr(strategy, "dp_group", None))
+        return cls(distributed.rank(), distributed.world_size())
 
-def global_max(values: dict[str, float], keys: list[str]) -> dict[str, float]:
-    """``values[key]`` maximised over every rank (a missing key counts as 0)."""
-    local = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64)
-    if distributed.world_size() > 1:
-        import torch.distributed as dist
+    @property
+    def active(self) -> bool:
+        return self.size > 1 and distributed.world_size() > 1
 
+    def _device(self) -> Any:
         from twinkle_core.accelerator import current_accelerator
 
-        local = local.to(current_accelerator().device())
-        dist.all_reduce(local, op=dist.ReduceOp.MAX)
-        local = local.cpu()
-    return dict(zip(keys, local.tolist(), strict=True))
+        return current_accelerator().device()
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the data-parallel ranks, on the CPU (unchanged in one process)."""
+        if not self.active:
+            return value
+        return distributed.all_reduce_sum(value.to(self._device()), group=self.group).cpu()
+
+    def any(self, flag: bool) -> bool:
+        return bool(self.sum(torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)).item() > 0)
+
+    def max(self, values: dict[str, float], keys: list[str]) -> dict[str, float]:
+        """``values[key]`` maximised over the data-parallel ranks (a missing key counts as 0)."""
+        local = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64)
+        if self.active:
+            import torch.distributed as dist
+
+            local = local.to(self._device())
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+            local = local.cpu()
+        return dict(zip(keys, local.tolist(), strict=True))
 
 
 @dataclass
@@ -92,7 +115,8 @@ class RolloutEngine:
     def __init__(self, *, sampler: Sampler, rewards: RewardSet, params: SamplingParams, num_generations: int,
                  estimator: str | None, estimator_options: dict[str, Any], seed: int, pad_token_id: int,
                  dynamic_sampling: bool = False, max_sampling_rounds: int = 4, overlong_filter: bool = False,
-                 overlong_penalty: dict[str, int] | None = None) -> None:
+                 overlong_penalty: dict[str, int] | None = None, dp: DataParallel | None = None) -> None:
+        self.dp = dp or DataParallel()
         self.sampler, self.rewards, self.params = sampler, rewards, params
         self.n = num_generations
         self.estimator = ESTIMATORS[estimator] if estimator is not None else None
@@ -138,7 +162,7 @@ class RolloutEngine:
         target = None
         for draw_index in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
             need = target is None or len(kept) < target
-            if draw_index > 0 and not _any_rank(need):
+            if draw_index > 0 and not self.dp.any(need):
                 break
             features = list(draw()["prompts"]) if need else []
             target = len(features) if target is None else target
@@ -162,7 +186,7 @@ class RolloutEngine:
         if self.estimator is None:  # PPO: advantages come from the critic (GAE), after the rollout
             advantages = torch.zeros_like(rewards)
         else:  # only batch-normalising estimators reduce over the ranks; the group ones ignore global_sum
-            advantages = self.estimator(rewards, global_sum=global_sum, **self.estimator_options)
+            advantages = self.estimator(rewards, global_sum=self.dp.sum, **self.estimator_options)
         completions = [c for _, g, _ in kept for c in g]
         prompts = [f.prompt_ids for f, _, _ in kept for _ in range(self.n)]
         batch = experience_batch(prompts, completions, pad_token_id=self.pad_token_id)
@@ -182,4 +206,4 @@ class RolloutEngine:
         return Rollout(batch=batch, completions=completions, rewards=rewards, advantages=advantages)
 
 
-__all__ = ["Rollout", "RolloutEngine", "RolloutStats", "global_max", "global_sum"]
+__all__ = ["DataParallel", "Rollout", "RolloutEngine", "RolloutStats"]
