@@ -211,7 +211,7 @@ def twinkle_register_samplers() -> Iterable[SamplerRecord]:
 
 @hookspec
 def twinkle_register_rewards() -> Iterable[RewardRecord]:
-    """Register reward functions by name for online RL (``rl.rewards`` in a recipe).
+    """Register reward functions by name for online RL (``task_options.rewards`` in a recipe).
 
     ``impl`` is a callable ``(prompts, completions, **row_fields) -> list[float]`` or a
     :class:`twinkle_core.rewards.Reward` subclass (constructed with the recipe's options).

@@ -1,7 +1,7 @@
 """The sampler contract for online RL: prompts in, ``n`` completions per prompt with log-probs out.
 
 A sampler is registered by name (``twinkle_register_samplers``) and built by the RL task from the
-recipe's ``rl.sampler`` options. The trainer hands it the policy once (:meth:`Sampler.bind`) and then,
+recipe's ``task_options.sampler`` options. The trainer hands it the policy once (:meth:`Sampler.bind`) and then,
 before every rollout, calls :meth:`Sampler.sync_weights`; what that does is the sampler's **weight
 sync**, declared by ``weight_sync``:
 
@@ -40,6 +40,7 @@ RL task need no change. A minimal one::
 from __future__ import annotations
 
 import hashlib
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -66,16 +67,23 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError(f"rl.sampling.temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"task_options.sampling.temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"rl.sampling.top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"task_options.sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ConfigError(f"rl.sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise ConfigError(f"task_options.sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.max_new_tokens < 1:
-            raise ConfigError(f"rl.sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+            raise ConfigError(f"task_options.sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        # one string is one stop string (tuple("###") would make every character one)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(x, str) and x for x in stop):
+            raise ConfigError(f"task_options.sampling.stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        ids = [self.stop_token_ids] if isinstance(self.stop_token_ids, int) else list(self.stop_token_ids)
+        if not all(float(t) == int(t) for t in ids):
+            raise ConfigError(f"task_options.sampling.stop_token_ids must be integers, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
 
 
 @dataclass
@@ -131,7 +139,7 @@ def sample_seed(base: int, *parts: int) -> int:
 
 
 class Sampler(ABC):
-    """Generates completions for online RL. ``options`` come from the recipe's ``rl.sampler`` mapping."""
+    """Generates completions for online RL. ``options`` come from the recipe's ``task_options.sampler`` mapping."""
 
     name: ClassVar[str] = ""
     #: "in_process" (reads the policy's parameters) or "push" (receives :class:`WeightUpdate` s); a sampler

@@ -108,7 +108,10 @@ class Task(ABC):
 
     def state_dict(self) -> dict[str, Any]:
         """What the task keeps between micro-batches (a rollout queue, sampler counters), saved in every
-        checkpoint so that a resumed run continues exactly. Tensors, lists, dicts and scalars only."""
+        checkpoint so that a resumed run continues exactly. Tensors, lists, dicts and scalars only. Return a
+        snapshot (new lists and dicts): the trainer keeps the state of the last complete step for an interrupted
+        checkpoint, and later micro-batches must not change it. Each rank's state is saved (a rank's share of a
+        queue differs from another's) and given back to the same rank."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

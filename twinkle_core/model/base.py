@@ -61,7 +61,7 @@ class TwinkleModel(ABC):
     def generation_module(self, *, adapter_name: str | None = None) -> contextlib.AbstractContextManager[Any]:
         """Lend the network to an in-process sampler: a context manager yielding a
         :class:`~twinkle_core.sampling.GenerationModule` whose ``module`` is a Hugging Face-style causal LM
-        (``module(input_ids=, attention_mask=, position_ids=, past_key_values=, use_cache=True)``) in
+        (``module(input_ids=, attention_mask=, position_ids=, use_cache=True)`` plus its KV-cache argument) in
         evaluation mode, without gradients, under the model's precision, with ``adapter_name``'s adapter
         active. Training mode comes back on exit. ``lockstep`` tells the sampler that each forward is a
         collective (sharded weights are gathered): every rank must then run the same number of forwards.

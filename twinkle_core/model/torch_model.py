@@ -494,7 +494,7 @@ class TorchTwinkleModel(TwinkleModel):
     def sibling(self, *, task: Any, **overrides: Any) -> TorchTwinkleModel:
         kwargs = frozen.rebuild_arguments(self)
         # its own precision object: a trainable model scales its own loss (fp16)
-        kwargs["precision"] = self.init_arguments.get("precision", self.precision.name)
+        kwargs["precision"] = self.precision.name  # by name: a Precision instance may hold a loss scaler
         kwargs.update(task=task, **overrides)
         return type(self)(**kwargs)
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from twinkle_core.testing.conformance_generation import GenerationContract
+
 CONFORMANCE_VOCAB_SIZE = 64
 LORA_CONFIG: dict[str, Any] = {"type": "lora", "r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 CONFORMANCE_MAX_WIDTH = 128
@@ -69,8 +71,10 @@ def snapshot(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
-class ModelContract:
-    """The contract tests. Needs a ``twinkle_factory`` fixture and a ``twinkle_shared_dir`` fixture."""
+class ModelContract(GenerationContract):
+    """The contract tests. Needs a ``twinkle_factory`` fixture and a ``twinkle_shared_dir`` fixture.
+    The tests of the seams online RL uses (``generation_module``, ``sibling``) are inherited from
+    :class:`~twinkle_core.testing.conformance_generation.GenerationContract`."""
 
     # ------------------------------------------------------------------ compute
     def test_forward_returns_logits(self, twinkle_factory):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinkle_core.errors import ConfigError
+from twinkle_core.model.base import TwinkleModel
 from twinkle_core.model.torch_model import TorchTwinkleModel
 from twinkle_core.testing.conformance import CONFORMANCE_VOCAB_SIZE
 
@@ -109,6 +110,10 @@ class ReferenceModel(TorchTwinkleModel):
     """``TwinkleModel`` over :class:`TinyCausalLM`; adapters are :class:`LoRALinear` layers."""
 
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
+
+    def generation_module(self, *, adapter_name: str | None = None) -> Any:
+        # TinyCausalLM keeps no KV cache, so it cannot serve an in-process sampler (the contract allows refusing)
+        return TwinkleModel.generation_module(self, adapter_name=adapter_name)
 
     def __init__(self, *, config: dict[str, Any] | None = None, model_id: str | None = None, **kwargs: Any) -> None:
         self.config = dict(config or {})

@@ -3,7 +3,11 @@
 Each line carries ``event`` (``train`` or ``eval``), ``step`` and the values, e.g.::
 
     {"event": "train", "step": 10, "epoch": 0, "loss": 2.31, "lr": 9.8e-05, "grad_norm": 1.7,
-     "tokens_per_s": 5120.4, "elapsed_s": 12.9, "time": 1718000000.1}
+     "tokens_per_s": 5120.4, "batch_time_s": 0.4, "train_tokens_per_s": 5290.1, "elapsed_s": 12.9,
+     "time": 1718000000.1}
+
+``tokens_per_s`` counts the input tokens over the whole interval; ``train_tokens_per_s`` over the interval less
+``batch_time_s``, the time spent making batches (for an RL task: sampling, rewards and reference passes).
 
 Only the main process writes. The file is appended to, so a resumed run continues the same log.
 TensorBoard (``output_dir/tensorboard``) is used when ``tensorboard`` is importable, unless

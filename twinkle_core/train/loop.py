@@ -557,15 +557,20 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         started = time.time()
         r, t = self.recipe, self.recipe.train
-        self.build()
-        self.is_main = distributed.is_main_process()
-        if self.is_main:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            import yaml
+        try:
+            self.build()
+            self.is_main = distributed.is_main_process()
+            if self.is_main:
+                self.output_dir.mkdir(parents=True, exist_ok=True)
+                import yaml
 
-            (self.output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(r), sort_keys=False))
-        resumed_from = self._resume()
-        self._mark_boundary()
+                (self.output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(r), sort_keys=False))
+            resumed_from = self._resume()
+            self._mark_boundary()
+        except BaseException:
+            if getattr(self, "task", None) is not None:
+                self.task.close()  # what the task started (a PPO critic, sampler threads) also goes on a failed start
+            raise
 
         model, name = self.model, self.adapter_name
         ga = t.gradient_accumulation_steps
@@ -591,7 +596,9 @@ class Trainer:
                 while self.step < self.total_steps:
                     step_loss, step_labels = 0.0, 0.0
                     for _ in range(ga):
+                        made = time.time()
                         batch = self.task.next_training_batch(model, self._next_batch)
+                        window["batch_time"] += time.time() - made  # data; for RL also sampling and rewards
                         outputs = model.forward_backward(inputs=batch, adapter_name=name)
                         loss, tokens = _loss_and_tokens(outputs)
                         step_loss += loss
@@ -699,7 +706,7 @@ class Trainer:
 
     @staticmethod
     def _new_window() -> dict[str, float]:
-        return {"loss": 0.0, "tokens": 0.0, "input_tokens": 0.0, "time": time.time(), "paused": 0.0}
+        return {"loss": 0.0, "tokens": 0.0, "input_tokens": 0.0, "time": time.time(), "paused": 0.0, "batch_time": 0.0}
 
     def _report_eval(self, metrics: dict[str, float]) -> dict[str, float]:
         if self.is_main:
@@ -722,6 +729,10 @@ class Trainer:
             "lr": self.model.get_train_configs(adapter_name=self.adapter_name)["lr"],
             "grad_norm": _round(float(grad_norm)) if grad_norm is not None else None,
             "tokens_per_s": round(window["input_tokens"] * (self.dp_size or 1) / interval, 1),
+            # the same tokens over the time the model computed: without making batches (an RL task's sampling)
+            "batch_time_s": round(window["batch_time"], 3),
+            "train_tokens_per_s": round(window["input_tokens"] * (self.dp_size or 1)
+                                        / max(interval - window["batch_time"], 1e-9), 1),
             "elapsed_s": round(now - started, 3),
         }
         metrics.pop("lr", None)  # logged once, from the train-configs schema above

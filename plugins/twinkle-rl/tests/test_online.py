@@ -213,3 +213,17 @@ def test_bad_task_options_are_refused(tmp_path, prompts_file, options, match):
     recipe["task_options"].update(options)
     with pytest.raises(ConfigError, match=match):
         train(recipe)
+
+
+@pytest.mark.timeout(300)
+def test_ppo_with_its_critic_learns_to_answer_with_x(tmp_path, prompts_file):
+    recipe = tiny_recipe(tmp_path, prompts_file, task="ppo", steps=40, num_generations=4, critic={"lr": 1e-2})
+    recipe["data"]["batch_size"] = 16
+    recipe["train"]["log_every"] = 5
+    train(recipe)
+    lines = train_lines(tmp_path)
+    first, last = lines[0]["reward_mean"], lines[-1]["reward_mean"]
+    print(f"ppo answer-with-x: reward {first:.3f} -> {last:.3f}; critic loss {lines[0]['critic/loss']:.4f} -> "
+          f"{lines[-1]['critic/loss']:.4f}")
+    assert first < 0.1 and last > 0.8, (first, last)
+    assert "critic/value_clip_fraction" in lines[-1]
