@@ -70,7 +70,8 @@ def embedding(session: nox.Session) -> None:
 
 @nox.session
 def rl(session: nox.Session) -> None:
-    """plugins/twinkle-rl: preference data, task, losses, the CLI end to end and the cross-backend runs."""
+    """plugins/twinkle-rl: preference training and online RL (sampler, rewards, advantages, losses, the grpo / ppo
+    tasks end to end, 2-rank and Megatron equality, the quickstarts)."""
     _pytest(session, "plugins/twinkle-rl/tests", "-m", "not slow")
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from twinkle_core.errors import ConfigError
-from twinkle_core.train import loop
+from twinkle_core.train import guards, loop
 
 FAKES = "twinkle_test_loop_fakes"
 if FAKES not in sys.modules:  # test_loop.py registers itself under this name when pytest imports it first
@@ -99,7 +99,7 @@ def test_a_signal_on_another_rank_stops_every_rank_at_the_same_step(tmp_path, mo
 
 
 def test_a_run_of_non_finite_steps_stops_as_diverged(tmp_path, monkeypatch):
-    monkeypatch.setattr(loop, "MAX_NONFINITE_STEPS", 3)
+    monkeypatch.setattr(guards, "MAX_NONFINITE_STEPS", 3)
     (tmp_path / "train.txt").write_text("1 2 nan 4 5 6")  # a NaN label: NaN loss, then NaN weights
     recipe = fakes.make_recipe(tmp_path, train={"max_steps": 10, "save_every": 1})
     with pytest.raises(loop.TrainingDivergedError, match="3 consecutive non-finite steps .* at step 3; lower optimizer.lr"):
@@ -108,7 +108,7 @@ def test_a_run_of_non_finite_steps_stops_as_diverged(tmp_path, monkeypatch):
 
 
 def test_isolated_non_finite_steps_are_tolerated(tmp_path, monkeypatch):
-    monkeypatch.setattr(loop, "MAX_NONFINITE_STEPS", 3)
+    monkeypatch.setattr(guards, "MAX_NONFINITE_STEPS", 3)
     original = FakeModel.clip_grad_and_step
 
     def clip_grad_and_step(self, *args, **kwargs):  # a skipped overflow step, as fp16 loss scaling gives

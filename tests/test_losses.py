@@ -11,55 +11,22 @@ import math
 import pytest
 import torch
 
-from twinkle_core.loss.base import LossOutput
 from twinkle_core.loss.cross_entropy import ChunkedCrossEntropyLoss, CrossEntropyLoss
 from twinkle_core.loss.gkd import GKDLoss
 from twinkle_core.loss.logprobs import token_logprobs
 from twinkle_core.loss.mse import MSELoss
-
-IGNORE = -100
-DT = torch.float64
-
-
-# --------------------------------------------------------------------------- plain references
-
-
-def log_softmax_row(z: torch.Tensor) -> torch.Tensor:
-    return z - torch.log(torch.exp(z - z.max()).sum()) - z.max()
-
-
-def make_batch(b=3, t=6, v=7, seed=0, ignore_prefix=True, dtype=DT):
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(b, t, v, generator=g, dtype=dtype).mul(2).requires_grad_(True)
-    labels = torch.randint(0, v, (b, t), generator=g)
-    labels[:, 0] = IGNORE  # the "prompt" start
-    if ignore_prefix:
-        for i in range(b):
-            labels[i, : 1 + (i % 3)] = IGNORE  # prompt lengths differ per row
-        labels[-1, -1] = IGNORE  # right padding on the last row
-    return logits, labels
-
-
-def naive_token_logps(logits, labels):
-    """{(b, t): log p(labels[b, t + 1] | logits[b, t])} over non-ignored labels."""
-    out = {}
-    b_, t_, _ = logits.shape
-    for b in range(b_):
-        for t in range(t_ - 1):
-            y = int(labels[b, t + 1])
-            if y != IGNORE:
-                out[(b, t)] = log_softmax_row(logits[b, t])[y]
-    return out
-
-
-def grad(loss, x):
-    (g,) = torch.autograd.grad(loss, x)
-    return g
-
-
-def close(a, b, tol=1e-10):
-    torch.testing.assert_close(torch.as_tensor(a, dtype=DT), torch.as_tensor(b, dtype=DT), rtol=tol, atol=tol)
-
+from twinkle_core.testing.loss_reference import (
+    DT,
+    IGNORE,
+    accumulate,
+    close,
+    grad,
+    log_softmax_row,
+    make_batch,
+    naive_token_logps,
+    rows,
+    whole,
+)
 
 # --------------------------------------------------------------------------- registry
 
@@ -271,22 +238,6 @@ def test_mse():
 # --------------------------------------------------------------------------- gradient accumulation
 
 
-def _accumulate(loss_fn, micro_batches):
-    """Sum of micro-batch losses over the total num_tokens, as the model computes it."""
-    outs = [loss_fn(o, i) for o, i in micro_batches]
-    return sum(o.loss for o in outs) / sum(float(o.num_tokens) for o in outs)
-
-
-def _full(loss_fn, outputs, inputs):
-    out = loss_fn(outputs, inputs)
-    assert isinstance(out, LossOutput)
-    return out.loss / float(out.num_tokens)
-
-
-def _rows(d, idx):
-    return {k: v[idx] for k, v in d.items()}
-
-
 @pytest.mark.parametrize(
     "loss_fn",
     [
@@ -308,9 +259,9 @@ def test_gradient_accumulation_is_exact(loss_fn):
         "teacher_logits": torch.randn(8, 6, 7, dtype=DT, generator=g),
         "targets": torch.randn(8, 6, 7, dtype=DT, generator=g),
     }
-    full = _full(loss_fn, {"logits": logits}, inputs)
-    micro = [({"logits": logits[i : i + 2]}, _rows(inputs, slice(i, i + 2))) for i in range(0, 8, 2)]
-    acc = _accumulate(loss_fn, micro)
+    full = whole(loss_fn, {"logits": logits}, inputs)
+    micro = [({"logits": logits[i : i + 2]}, rows(inputs, slice(i, i + 2))) for i in range(0, 8, 2)]
+    acc = accumulate(loss_fn, micro)
     close(acc, full)
     close(grad(acc, logits), grad(full, logits))
 

@@ -63,15 +63,23 @@ import math
 import os
 import random
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from twinkle_core import distributed
 from twinkle_core.checkpoint import checkpoint_name, latest_checkpoint, prune_checkpoints
-from twinkle_core.errors import ConfigError, TwinkleError
+from twinkle_core.errors import ConfigError
 from twinkle_core.metrics import LossMetric
+from twinkle_core.train.guards import (  # noqa: F401 - MAX_NONFINITE_STEPS, LABEL_CHECK_STEPS: documented here
+    IGNORE_INDEX,
+    LABEL_CHECK_STEPS,
+    MAX_NONFINITE_STEPS,
+    StepGuard,
+    StopSignals,
+    TrainingDivergedError,
+    bar_friendly_logging,
+)
 from twinkle_core.train.logging import TrainLogger
 from twinkle_core.train.progress import progress_bar, progress_enabled
 from twinkle_core.train.recipe import (
@@ -81,22 +89,12 @@ from twinkle_core.train.recipe import (
     recipe_to_dict,
     validate_plugin_names,
 )
+from twinkle_core.train.task_state import local_task_state
 
 logger = logging.getLogger("twinkle.train")
 
 ADAPTER_NAME = "default"
 
-#: consecutive steps with a non-finite loss or gradient norm after which training stops as diverged;
-#: well above the handful of overflow steps a dynamic fp16 loss scaler skips while it settles
-MAX_NONFINITE_STEPS = 25
-#: a run whose first this-many steps see no label token on any rank is stopped: every label is masked
-LABEL_CHECK_STEPS = 5
-#: the label value the losses ignore (masked prompt tokens, padding)
-IGNORE_INDEX = -100
-
-
-class TrainingDivergedError(TwinkleError, RuntimeError):
-    """The loss or gradient norm stayed non-finite for ``MAX_NONFINITE_STEPS`` consecutive steps."""
 
 
 # ---------------------------------------------------------------------- small helpers (patchable in tests)
@@ -167,76 +165,7 @@ def _round(value: Any, digits: int = 6) -> Any:
     return value
 
 
-class _StopSignals:
-    """SIGINT / SIGTERM ask the loop to stop at the next optimizer-step boundary; a second one stops at once.
-
-    Raising from the handler would stop wherever the main thread is, e.g. inside the optimizer step, and
-    the interrupted checkpoint would then hold step k+1's weights under step k's counters (a resume
-    applies that step twice). So the first signal only records ``signum``, which the loop checks after
-    each complete step. A second one puts the previous handlers back (a third gets their behaviour) and
-    raises KeyboardInterrupt right away; ``forced`` tells the loop not to save that possibly torn state.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.forced = False
-        self.previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopSignals:
-        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
-            for sig in self.SIGNALS:
-                previous = signal.signal(sig, self._handle)
-                # None: a handler not installed from Python, which cannot be put back; use the default
-                self.previous[sig] = previous if previous is not None else signal.SIG_DFL
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if self.signum is None:
-            self.signum = signum
-            logger.warning("received %s: stopping after the current optimizer step (send it again to stop at once)",
-                           name)
-            return
-        self.forced = True
-        self._restore()
-        raise KeyboardInterrupt(f"received {name} twice")
-
-    def _restore(self) -> None:
-        for sig, previous in self.previous.items():
-            signal.signal(sig, previous)
-        self.previous = {}
-
-    def __exit__(self, *exc: Any) -> None:
-        self._restore()
-
-
-def _bar_friendly_logging(show_bar: bool) -> Any:
-    """While the progress bar is shown, log lines go through tqdm.write so they do not break it."""
-    import contextlib
-
-    if not show_bar:
-        return contextlib.nullcontext()
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    return logging_redirect_tqdm()
-
-
 # ---------------------------------------------------------------------- trainer
-def _same_state(a: Any, b: Any) -> bool:
-    """Equality of nested task states holding tensors."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
-    if hasattr(a, "shape") and hasattr(b, "shape"):
-        import torch
-
-        return bool(a.shape == b.shape and torch.equal(a, b))
-    return bool(a == b)
-
-
 class Trainer:
     """One training run. ``Trainer(recipe).run()`` is what :func:`train` does."""
 
@@ -253,10 +182,7 @@ class Trainer:
         self._empty_epochs = 0
         self._boundary: dict[str, Any] = {}
         self._last_saved_step = -1
-        self._nonfinite_run = 0  # consecutive steps with a non-finite loss or gradient norm
-        self._label_tokens_seen = 0.0  # over every rank, during the first LABEL_CHECK_STEPS steps of this run
-        self._steps_this_run = 0
-        self._skip_interrupted_save = False
+        self.guard = StepGuard(str(recipe.data.train))
         self.checkpoints: list[str] = []
         self.model: Any = None
 
@@ -470,7 +396,7 @@ class Trainer:
         self.step = int(extra.get("step", 0))
         self.epoch = int(extra.get("epoch", 0))
         self.loader.set_epoch(self.epoch)
-        self.task.load_state_dict(self._local_task_state(path, extra.get("task") or {}))
+        self.task.load_state_dict(local_task_state(path, extra.get("task") or {}))
         if extra.get("loader") is not None:
             self.loader.load_state_dict(extra["loader"])
         else:
@@ -478,22 +404,6 @@ class Trainer:
         self._last_saved_step = self.step
         logger.info("resumed from %s at step %d (epoch %d)", path, self.step, self.epoch)
         return str(path)
-
-    @staticmethod
-    def _local_task_state(path: Path, saved: dict[str, Any]) -> dict[str, Any]:
-        """This rank's task state from a checkpoint: its own at the same world size; at another, only a state every
-        rank shared (a rollout boundary) carries over."""
-        if "per_rank" not in saved:
-            return saved
-        states, world = saved["per_rank"], distributed.world_size()
-        if len(states) == world:
-            return states[distributed.rank()]
-        if all(_same_state(states[0], other) for other in states[1:]):
-            return states[0]
-        raise ConfigError(
-            f"train.resume: {path} holds the task's per-rank state of {len(states)} ranks (e.g. the rest of an RL "
-            f"rollout each rank was training on); resume it with {len(states)} ranks, or from a checkpoint written "
-            f"between two rollouts")
 
     def _check_resumed_optimizer(self, path: Path, saved: dict[str, Any]) -> None:
         """Refuse an optimizer option that differs from the checkpoint's: the resumed optimizer and schedule
@@ -586,9 +496,9 @@ class Trainer:
         train_metrics: dict[str, Any] = {}
         final_path = None
         window = self._new_window()
-        stop = _StopSignals()
+        stop = StopSignals()
         try:
-            with stop, _bar_friendly_logging(show_bar):
+            with stop, bar_friendly_logging(show_bar):
                 if t.eval_before_training and eval_enabled and self.step == 0:
                     eval_before = self.evaluate()
                     log.log("eval", self.step, eval_before)
@@ -636,7 +546,7 @@ class Trainer:
             if stop.forced:
                 logger.warning("stopped at once by a second signal, without saving; resume from the last checkpoint")
                 raise
-            if isinstance(exc, TrainingDivergedError) or self._skip_interrupted_save:
+            if isinstance(exc, TrainingDivergedError) or self.guard.skip_interrupted_save:
                 raise  # such a state is not worth resuming from
             self._save_interrupted(exc)
             if stop.signum is not None and not isinstance(exc, KeyboardInterrupt):
@@ -672,37 +582,9 @@ class Trainer:
             write_curves(self.output_dir, ["loss", *self.task.curve_keys], title=f"{r.task}: {self.output_dir.name}")
         return summary
 
-    def _check_step(self, stop: _StopSignals, finite: bool = True, label_tokens: float | None = None) -> None:
-        """After a complete step (or an evaluation): stop on a signal, divergence or all-masked labels.
-
-        The three are summed over the ranks in one collective, so every rank takes the same decision at the
-        same step: a signal may reach one rank only, and a rank-local NaN loss must stop them all.
-        ``label_tokens`` None: called between steps (after an evaluation), only the signal is checked.
-        """
-        values = (1.0 if stop.signum is not None else 0.0, 0.0 if finite else 1.0, label_tokens or 0.0)
-        if distributed.world_size() > 1:
-            values = self._global_sum(*values)
-        signalled, nonfinite, labels = values
-        if label_tokens is not None:
-            self._nonfinite_run = self._nonfinite_run + 1 if nonfinite else 0
-            if self._nonfinite_run >= MAX_NONFINITE_STEPS:
-                raise TrainingDivergedError(
-                    f"training diverged: {self._nonfinite_run} consecutive non-finite steps (loss or gradient "
-                    f"norm) at step {self.step}; lower optimizer.lr, set train.max_grad_norm or use bf16 rather "
-                    f"than fp16, and train again")
-            self._steps_this_run += 1
-            if self._steps_this_run <= LABEL_CHECK_STEPS:
-                self._label_tokens_seen += labels
-                if self._label_tokens_seen == 0 and (self._steps_this_run == LABEL_CHECK_STEPS
-                                                      or self.step == self.total_steps):
-                    self._skip_interrupted_save = True
-                    raise ConfigError(
-                        f"data.train ({self.recipe.data.train}): all labels are masked ({IGNORE_INDEX}) in the "
-                        f"first {self._steps_this_run} steps on every rank, so training learns nothing; check the "
-                        f"data format and the task's masking options (e.g. a prompt-only or truncated data set)")
-        if signalled:
-            name = signal.Signals(stop.signum).name if stop.signum is not None else "a signal on another rank"
-            raise KeyboardInterrupt(f"stopping at step {self.step}: received {name}")
+    def _check_step(self, stop: StopSignals, finite: bool = True, label_tokens: float | None = None) -> None:
+        self.guard.check(stop, step=self.step, total_steps=self.total_steps, finite=finite, label_tokens=label_tokens,
+                         global_sum=self._global_sum)
 
     @staticmethod
     def _new_window() -> dict[str, float]:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
+
+# the helper modules beside the tests (script_runs, rewards_for_tests) import by name
+sys.path.insert(0, os.path.dirname(__file__))
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 TOKENIZER_DIR = os.path.join(REPO, "examples", "quickstart", "tokenizer")

@@ -1,5 +1,5 @@
-"""Reward functions the online-RL tests name as ``rewards_for_tests:<function>`` (this folder is put on
-``sys.path`` by the ``reward_module`` fixture); each is a plain ``(prompts, completions, **fields)`` function."""
+"""Reward functions the online-RL tests name as ``rewards_for_tests:<function>`` (conftest.py puts this folder on
+``sys.path``); each is a plain ``(prompts, completions, **fields)`` function."""
 
 from __future__ import annotations
 

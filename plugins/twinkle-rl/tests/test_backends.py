@@ -19,56 +19,21 @@ floor of the quantity (:func:`loss_floor`, :func:`norm_floor`). Every job runs u
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from script_runs import job_output, run_single_process, script_env, script_module
 
 from twinkle_core.testing.tolerance import assert_within_spread, spread_tolerance, sum_tolerance
-from twinkle_core.testing.torchrun import run_torchrun, thread_env
+from twinkle_core.testing.torchrun import run_torchrun
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "dpo_parity.py"
 
 
-def _script_module() -> Any:
-    spec = importlib.util.spec_from_file_location("dpo_parity", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-DPO = _script_module()  # its constants (BETA, PAIRS, STEPS, MAX_GRAD_NORM); imports nothing heavy
-
-
-def _env() -> dict[str, str]:
-    return {"TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TWINKLE_NO_PROGRESS": "1"}
-
-
-def _single_process(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """The script as one plain process (no torchrun variables)."""
-    env = {**os.environ, **thread_env(), **_env(), "WORLD_SIZE": "1"}
-    for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    start = time.monotonic()
-    try:
-        result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                                timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as exc:
-        result = subprocess.CompletedProcess(exc.cmd, -9, exc.stdout or "", f"{exc.stderr or ''}\ntimed out")
-    result.seconds = time.monotonic() - start
-    return result
-
-
-def _output(result: Any) -> str:
-    return getattr(result, "output", None) or f"{result.args}\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
+DPO = script_module(SCRIPT, "dpo_parity")  # its constants (BETA, PAIRS, STEPS, MAX_GRAD_NORM); imports nothing heavy
 
 
 #: the single-process references: each also reversed (its own reduction-order spread)
@@ -88,9 +53,9 @@ def reference(tmp_path_factory) -> dict[str, Any]:
     weights, out = root / "weights", root / "single.json"
     runs = [spec for spec in SINGLE_RUNS.values() for spec in (spec, {**spec, "reverse": True})]
     runs.append({"backend": "multi_lora", "tenants": TENANTS})
-    result = _single_process(["--init", str(weights), "--weights", str(weights), "--out", str(out),
+    result = run_single_process(SCRIPT, ["--init", str(weights), "--weights", str(weights), "--out", str(out),
                               "--runs", json.dumps(runs)], timeout=240)
-    assert result.returncode == 0, _output(result)
+    assert result.returncode == 0, job_output(result)
     results = json.loads(out.read_text())
     refs = {}
     for i, key in enumerate(SINGLE_RUNS):
@@ -102,7 +67,7 @@ def reference(tmp_path_factory) -> dict[str, Any]:
 def _torchrun(reference: dict[str, Any], name: str, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = reference["root"] / f"{name}.json"
     job = run_torchrun([SCRIPT, "--weights", reference["weights"], "--out", out, "--runs", json.dumps(runs)],
-                       nproc=2, timeout=300, env=_env())
+                       nproc=2, timeout=300, env=script_env())
     assert job.returncode == 0, job.output
     print(f"{name} job: {job.seconds:.1f} s")
     return json.loads(out.read_text())

@@ -26,12 +26,6 @@ TOKENIZER_DIR = os.path.join(HERE, "..", "..", "..", "examples", "quickstart", "
 X_REGEX = {"name": "regex", "options": {"pattern": r"^\s*x"}}
 
 
-@pytest.fixture(autouse=True)
-def reward_module(monkeypatch):
-    """``rewards_for_tests:<function>`` resolves to this folder's helper module."""
-    monkeypatch.syspath_prepend(HERE)
-
-
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
     rng = random.Random(0)

@@ -27,18 +27,14 @@ backend, each well under a minute.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from script_runs import job_output, run_single_process, script_env, script_module
 
 from twinkle_core.testing.tolerance import (
     assert_within_spread,
@@ -47,45 +43,14 @@ from twinkle_core.testing.tolerance import (
     sum_tolerance,
     unit_roundoff,
 )
-from twinkle_core.testing.torchrun import TorchrunResult, run_torchrun, thread_env
+from twinkle_core.testing.torchrun import TorchrunResult, run_torchrun
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "online_dist.py"
 
 
-def _script_module() -> Any:
-    spec = importlib.util.spec_from_file_location("online_dist_constants", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ONLINE = _script_module()  # its constants (PROMPTS_PER_STEP, NUM_GENERATIONS ...); imports nothing heavy
+ONLINE = script_module(SCRIPT, "online_dist_constants")  # its constants (PROMPTS_PER_STEP, NUM_GENERATIONS ...); imports nothing heavy
 
 Run = dict[str, Any]
-
-
-def _env() -> dict[str, str]:
-    return {"TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TWINKLE_NO_PROGRESS": "1"}
-
-
-def _single_process(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """The script as one plain process (no torchrun variables)."""
-    env = {**os.environ, **thread_env(), **_env(), "WORLD_SIZE": "1"}
-    for key in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    start = time.monotonic()
-    try:
-        result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                                timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as exc:
-        result = subprocess.CompletedProcess(exc.cmd, -9, exc.stdout or "", f"{exc.stderr or ''}\ntimed out")
-    result.seconds = time.monotonic() - start
-    return result
-
-
-def _output(result: Any) -> str:
-    return getattr(result, "output", None) or f"{result.args}\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
 
 
 # ---------------------------------------------------------------------- the jobs
@@ -113,8 +78,8 @@ def reference(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("online-dist")
     init, out = root / "init", root / "single.json"
     runs = [spec for spec in SINGLE_RUNS.values() for spec in (spec, {**spec, "reverse": True})]
-    result = _single_process(["--init", str(init), "--out", str(out), "--runs", json.dumps(runs)], timeout=120)
-    assert result.returncode == 0, _output(result)
+    result = run_single_process(SCRIPT, ["--init", str(init), "--out", str(out), "--runs", json.dumps(runs)], timeout=120)
+    assert result.returncode == 0, job_output(result)
     results = json.loads(out.read_text())
     refs = {key: {**results[2 * i], "reordered": results[2 * i + 1]} for i, key in enumerate(SINGLE_RUNS)}
     print(f"single-process job: {result.seconds:.1f} s")
@@ -124,7 +89,7 @@ def reference(tmp_path_factory) -> dict[str, Any]:
 def _torchrun(reference: dict[str, Any], name: str, runs: list[dict[str, Any]]) -> tuple[TorchrunResult, Path]:
     out = reference["root"] / f"{name}.json"
     job = run_torchrun([SCRIPT, "--init", reference["init"], "--out", out, "--runs", json.dumps(runs)],
-                       nproc=2, timeout=90, env=_env())
+                       nproc=2, timeout=90, env=script_env())
     print(f"{name} job: {job.seconds:.1f} s")
     return job, out
 

@@ -16,41 +16,21 @@ from twinkle_rl.losses.policy import DAPOLoss, DrGRPOLoss, GRPOLoss, GSPOLoss, P
 from twinkle_rl.losses.tempered import tempered_token_logprobs
 
 from twinkle_core.loss.base import LossContext
+from twinkle_core.testing.loss_reference import (
+    DT,
+    IGNORE,
+    accumulate,
+    close,
+    grad,
+    log_softmax_row,
+    make_batch,
+    naive_token_logps,
+    rows,
+    whole,
+)
 from twinkle_core.testing.tolerance import sum_tolerance, unit_roundoff
 
-IGNORE = -100
-DT = torch.float64
-
-
 # --------------------------------------------------------------------------- plain references
-
-
-def log_softmax_row(z: torch.Tensor) -> torch.Tensor:
-    return z - torch.log(torch.exp(z - z.max()).sum()) - z.max()
-
-
-def make_batch(b=3, t=6, v=7, seed=0, ignore_prefix=True, dtype=DT):
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(b, t, v, generator=g, dtype=dtype).mul(2).requires_grad_(True)
-    labels = torch.randint(0, v, (b, t), generator=g)
-    labels[:, 0] = IGNORE  # the "prompt" start
-    if ignore_prefix:
-        for i in range(b):
-            labels[i, : 1 + (i % 3)] = IGNORE  # prompt lengths differ per row
-        labels[-1, -1] = IGNORE  # right padding on the last row
-    return logits, labels
-
-
-def naive_token_logps(logits, labels, temperature=1.0):
-    """{(b, t): log softmax(logits[b, t] / T)[labels[b, t + 1]]} over non-ignored labels."""
-    out = {}
-    b_, t_, _ = logits.shape
-    for b in range(b_):
-        for t in range(t_ - 1):
-            y = int(labels[b, t + 1])
-            if y != IGNORE:
-                out[(b, t)] = log_softmax_row(logits[b, t] / temperature)[y]
-    return out
 
 
 def naive_entropy(logits, labels, temperature=1.0):
@@ -62,15 +42,6 @@ def naive_entropy(logits, labels, temperature=1.0):
                 lp = log_softmax_row(logits[b, t].detach() / temperature)
                 values.append(float(-(lp.exp() * lp).sum()))
     return sum(values) / len(values)
-
-
-def grad(loss, x):
-    (g,) = torch.autograd.grad(loss, x)
-    return g
-
-
-def close(a, b, tol=1e-10):
-    torch.testing.assert_close(torch.as_tensor(a, dtype=DT), torch.as_tensor(b, dtype=DT), rtol=tol, atol=tol)
 
 
 def rl_batch(seed=4):
@@ -378,10 +349,8 @@ def test_gradient_accumulation_is_exact(loss_fn):
         "old_logps": -torch.rand(8, 5, dtype=DT, generator=g) * 3,
         "ref_logps": -torch.rand(8, 5, dtype=DT, generator=g) * 3,
     }
-    whole = loss_fn({"logits": logits}, inputs)
-    full = whole.loss / float(whole.num_tokens)
-    outs = [loss_fn({"logits": logits[i:i + 2]}, {k: v[i:i + 2] for k, v in inputs.items()}) for i in range(0, 8, 2)]
-    acc = sum(o.loss for o in outs) / sum(float(o.num_tokens) for o in outs)
+    full = whole(loss_fn, {"logits": logits}, inputs)
+    acc = accumulate(loss_fn, [({"logits": logits[i:i + 2]}, rows(inputs, slice(i, i + 2))) for i in range(0, 8, 2)])
     close(acc, full)
     close(grad(acc, logits), grad(full, logits))
 
