@@ -109,6 +109,9 @@ class TransformersModel(TorchTwinkleModel):
             module.config.use_cache = False
         return module
 
+    def export_config(self) -> Any:
+        return self.hf_model.config
+
     @property
     def hf_model(self) -> Any:
         """The underlying ``transformers`` model (inside PEFT's wrapper when adapters exist)."""

@@ -315,6 +315,9 @@ class MegatronModel(TorchTwinkleModel):
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
         return dict(sorted(out.items()))
 
+    def export_config(self) -> Any:
+        return self.hf_config
+
     def get_state_dict(self, *, adapter_name: str | None = None) -> dict[str, Any]:
         name = self._resolve_name(adapter_name)
         if name == FULL_MODEL:

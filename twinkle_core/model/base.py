@@ -164,6 +164,12 @@ class TwinkleModel(ABC):
         not this model's trained ones), optimizer and loss. ``overrides`` replace constructor arguments."""
         raise ConfigError(f"{type(self).__name__} cannot build a sibling model")
 
+    def export_config(self) -> Any:
+        """The Hugging Face (``transformers``) config of the network whose weights ``get_state_dict()`` returns and
+        ``save`` exports, or ``None`` when the model has no Hugging Face form. A sampler that keeps its own copy of
+        the policy builds it from this config."""
+        return None
+
     @abstractmethod
     def get_state_dict(self, *, adapter_name: str | None = None) -> dict[str, Any]:
         """The full (unsharded) weights of the model or of one adapter."""

@@ -132,6 +132,24 @@ class GenerationContract:
         again = model.forward(inputs=batch)["logits"].detach().float()
         assert max_abs_diff(again, trained_again) <= tolerance, "the lent network must come back unchanged"
 
+    def test_export_config_builds_a_network_the_state_dict_fits(self, twinkle_factory):
+        """``export_config()`` is None, or a transformers config from which a causal LM is built that takes every
+        tensor of ``get_state_dict()`` (what a push sampler's copy is made of)."""
+        model = twinkle_factory(seed=0)
+        config = model.export_config()
+        state = model.get_state_dict()
+        if config is None or not state:  # no Hugging Face form, or a rank that holds no gathered weights
+            return
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        network = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        expected = set(network.state_dict())
+        tied = expected - set(dict(network.named_parameters()) | dict(network.named_buffers()))
+        assert not set(state) - expected, f"get_state_dict() names the config's network lacks: {sorted(set(state) - expected)[:5]}"
+        assert not expected - set(state) - tied, f"tensors get_state_dict() leaves out: {sorted(expected - set(state) - tied)[:5]}"
+        network.load_state_dict({k: v.detach().cpu().float() for k, v in state.items()}, strict=False)
+
     def test_generation_module_applies_the_adapter(self, twinkle_factory):
         """With ``adapter_name``, the lent network runs that adapter (B != 0 changes the logits), and after
         the sampler is done the model's forwards are as before."""

@@ -221,3 +221,18 @@ def test_ppo_with_its_critic_learns_to_answer_with_x(tmp_path, prompts_file):
           f"{lines[-1]['critic/loss']:.4f}")
     assert first < 0.1 and last > 0.8, (first, last)
     assert "critic/value_clip_fraction" in lines[-1]
+
+
+def test_the_policy_loss_scores_at_the_sampling_temperature_unless_the_recipe_says_otherwise(tmp_path, prompts_file):
+    from twinkle_core.train.loop import Trainer
+    from twinkle_core.train.recipe import recipe_from_dict
+
+    def loss_spec(**loss):
+        recipe = tiny_recipe(tmp_path, prompts_file, steps=1, sampling={"temperature": 0.7, "max_new_tokens": 4},
+                             loss={"name": "grpo", **loss})
+        trainer = Trainer(recipe_from_dict(recipe))
+        trainer.build()
+        return trainer.model.get_train_configs()["loss"]
+
+    assert loss_spec()["temperature"] == 0.7  # TRL scores logits / T of the sampling T: so does the default
+    assert loss_spec(options={"temperature": 1.0})["temperature"] == 1.0

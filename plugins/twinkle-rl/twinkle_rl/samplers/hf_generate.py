@@ -81,10 +81,9 @@ class HFGenerateSampler(Sampler):
         import transformers
 
         config = self.copy_config
-        if config is None:  # Megatron keeps it as hf_config; TransformersModel's network carries its own
-            config = getattr(model, "hf_config", None)
         if config is None:
-            config = getattr(getattr(model, "hf_model", None), "config", None)
+            export_config = getattr(model, "export_config", None)  # the TwinkleModel seam
+            config = export_config() if callable(export_config) else None
         if config is None:
             raise ConfigError(f"hf_generate with copy_weights: true needs the policy's Hugging Face config: "
                               f"{type(model).__name__} exposes none, pass the sampler option config "
@@ -174,7 +173,8 @@ class HFGenerateSampler(Sampler):
         if len(seeds) != len(prompts) or any(len(s) != n for s in seeds):
             raise ConfigError(f"hf_generate needs seeds[i][j] for {len(prompts)} prompts x {n} samples")
         if any(stop == "" for stop in params.stop):
-            raise ConfigError("rl.sampling.stop contains an empty string (it would stop every completion at once)")
+            raise ConfigError("task_options.sampling.stop contains an empty string (it would stop every completion "
+                              "at once)")
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ConfigError(f"prompt {i} is empty: a completion needs at least one prompt token")
