@@ -235,3 +235,40 @@ def test_env_flag_default_and_garbage(monkeypatch):
 def test_env_list(monkeypatch):
     monkeypatch.setenv("TWINKLE_TEST_LIST", " a, b ,,c ")
     assert env_list("TWINKLE_TEST_LIST") == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("kind, name, available, meant", [
+    ("optimizer", "adamw", ["AdamW", "SGD"], "AdamW"),  # another case
+    ("precision", "fp32", ["no", "bf16", "fp16"], "no"),  # other frameworks' names
+    ("precision", "bfloat16", ["no", "bf16", "fp16"], "bf16"),
+    ("strategy", "fsdp", ["ddp", "native_fsdp", "single"], "native_fsdp"),
+    ("loss", "cross_entrophy", ["cross_entropy", "gkd"], "cross_entropy"),  # a typo
+    ("loss", "focal", ["cross_entropy", "gkd"], None),
+])
+def test_an_unknown_name_suggests_the_one_meant(kind, name, available, meant):
+    error = PluginNotFoundError(kind, name, available, None)
+    assert error.suggestion == meant
+    message = str(error)
+    assert (f"did you mean {meant!r}?" in message) == (meant is not None)
+    plural = {"strategy": "strategies", "loss": "losses"}.get(kind, kind + "s")
+    assert f"Available {plural}: " in message  # never "strategys" / "losss"
+
+
+def test_a_recipe_with_another_frameworks_precision_name_is_told_ours(monkeypatch):
+    from twinkle_core.train.recipe import recipe_from_dict, validate_plugin_names
+
+    reset_plugins()
+    recipe = recipe_from_dict({"task": "causal_lm", "model": {"class_name": "TransformersModel", "tokenizer": "tok",
+                                                        "config": {"model_type": "qwen2"}},
+                               "precision": "fp32", "data": {"train": "x.jsonl"}, "optimizer": {"name": "adamw"}})
+    with pytest.raises(PluginNotFoundError, match=r"^precision: no precision named 'fp32' is installed; did you mean 'no'\?"):
+        validate_plugin_names(recipe)
+
+
+def test_a_planned_distribution_is_not_sent_to_pip():
+    from twinkle_core.catalog import install_hint
+
+    error = PluginNotFoundError("accelerator", "npu", ["cpu", "cuda"], install_hint("accelerator", "npu"))
+    assert "pip install" not in str(error)
+    assert "twinkle-backend-npu is planned but not released" in str(error)
+    assert install_hint("strategy", "deepspeed") == "pip install twinkle-backend-hf"

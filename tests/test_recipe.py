@@ -274,3 +274,15 @@ def test_every_semantic_rule_that_fails_is_reported():
         "optimizer.weight_decay: must be >= 0, got -0.1",
         "train.output_dir: must not be empty",
     ]
+
+
+def test_a_section_with_a_name_takes_the_name_alone():
+    # the spec's own shorthand (strategy=accelerate), in a file or on the command line
+    recipe = recipe_from_dict({"task": "causal_lm", "model": {"class_name": "TransformersModel", "model_id": "m"},
+                               "strategy": "ddp", "loss": "cross_entropy", "optimizer": "SGD",
+                               "data": {"train": "x.jsonl"}}, ["lr_scheduler=cosine", "strategy=accelerate"])
+    assert (recipe.strategy.name, recipe.strategy.options) == ("accelerate", {})
+    assert (recipe.loss.name, recipe.optimizer.name, recipe.lr_scheduler.name) == ("cross_entropy", "SGD", "cosine")
+    with pytest.raises(ConfigError, match="data: expected a mapping, got string"):
+        recipe_from_dict({"task": "causal_lm", "model": {"class_name": "TransformersModel", "model_id": "m"},
+                          "data": "x.jsonl"})

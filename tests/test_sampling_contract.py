@@ -272,7 +272,7 @@ def test_registered_rewards_by_name():
 def test_an_unknown_registered_name_lists_the_installed_rewards():
     with pytest.raises(PluginNotFoundError) as info:
         load_reward("no_such_reward", plugins=_plugins())
-    assert str(info.value).startswith("no reward named 'no_such_reward' is installed; available rewards: "
+    assert str(info.value).startswith("no reward named 'no_such_reward' is installed. Available rewards: "
                                       "max_length, polite.")
     assert info.value.available and sorted(info.value.available) == ["max_length", "polite"]
 

@@ -5,6 +5,8 @@ This is data for error messages only; the core never branches on it.
 
 from __future__ import annotations
 
+import difflib
+
 _HF = "twinkle-backend-hf"
 _MEGATRON = "twinkle-backend-megatron"
 _NPU = "twinkle-backend-npu"
@@ -54,6 +56,48 @@ EXTRAS: dict[str, str] = {
 }
 
 
+#: distributions named above that do not exist yet: the hint says so instead of sending users to pip
+PLANNED = frozenset({_NPU, "twinkle-vlm"})
+
+
 def install_hint(kind: str, name: str) -> str | None:
     dist = PROVIDERS.get((kind, name))
+    if dist in PLANNED:
+        return f"nothing provides it yet: {dist} is planned but not released (see the README's 'What runs where')"
     return f"pip install {dist}" if dist else None
+
+
+# Names users write for a plugin that is registered under another (other frameworks' spellings).
+ALIASES: dict[tuple[str, str], str] = {
+    ("precision", "fp32"): "no",
+    ("precision", "float32"): "no",
+    ("precision", "none"): "no",
+    ("precision", "bfloat16"): "bf16",
+    ("precision", "float16"): "fp16",
+    ("precision", "half"): "fp16",
+    ("strategy", "fsdp"): "native_fsdp",
+    ("strategy", "fsdp2"): "native_fsdp",
+    ("strategy", "zero"): "deepspeed",
+    ("strategy", "zero2"): "deepspeed",
+    ("strategy", "zero3"): "deepspeed",
+    ("loss", "ce"): "cross_entropy",
+}
+
+_PLURALS = {"strategy": "strategies", "loss": "losses", "conformance": "conformance targets"}
+
+
+def plural(kind: str) -> str:
+    return _PLURALS.get(kind, f"{kind}s")
+
+
+def did_you_mean(kind: str, name: str, available: list[str]) -> str | None:
+    """The installed name a user most likely meant: the same name in another case (``adamw`` for ``AdamW``), a
+    well-known alias (``fp32`` for ``no``, ``fsdp`` for ``native_fsdp``), or the closest spelling."""
+    folded = {a.lower(): a for a in available}
+    if name.lower() in folded:
+        return folded[name.lower()]
+    alias = ALIASES.get((kind, name.lower()))
+    if alias is not None and alias in available:
+        return alias
+    close = difflib.get_close_matches(name.lower(), list(folded), n=1, cutoff=0.75)
+    return folded[close[0]] if close else None

@@ -11,11 +11,16 @@ class PluginNotFoundError(TwinkleError, LookupError):
     """A plugin kind/name was asked for that no installed distribution provides."""
 
     def __init__(self, kind: str, name: str, available: list[str], install_hint: str | None):
+        from twinkle_core.catalog import did_you_mean, plural
+
         self.kind, self.name, self.available, self.install_hint = kind, name, available, install_hint
+        self.suggestion = did_you_mean(kind, name, available)
         listed = ", ".join(sorted(available)) or "(none)"
-        msg = f"no {kind} named {name!r} is installed; available {kind}s: {listed}."
+        msg = f"no {kind} named {name!r} is installed"
+        msg += f"; did you mean {self.suggestion!r}?" if self.suggestion else "."
+        msg += f" Available {plural(kind)}: {listed}."
         if install_hint:
-            msg += f" Install it with: {install_hint}"
+            msg += f" Install it with: {install_hint}" if install_hint.startswith("pip ") else f" {install_hint[0].upper()}{install_hint[1:]}."
         super().__init__(msg)
 
 

@@ -77,6 +77,18 @@ class TransformersModel(TorchTwinkleModel):
             raise ConfigError("model.config must name its model_type (e.g. qwen2, llama, qwen3_moe)")
         return transformers.AutoConfig.for_model(model_type, **spec)
 
+    @contextlib.contextmanager
+    def _explain_attention(self) -> Iterator[None]:
+        """transformers raises a bare ImportError for an attention kernel that is not installed: say what to do."""
+        try:
+            yield
+        except ImportError as exc:
+            if not self.attn_implementation:
+                raise
+            raise ConfigError(f"model.attn_implementation={self.attn_implementation!r} needs a package that is not "
+                              f"installed ({exc}); install it (flash_attention_2: pip install flash-attn, on a CUDA "
+                              f"machine) or use attn_implementation: sdpa") from exc
+
     def _build_module(self) -> torch.nn.Module:
         auto = self._auto_class()
         common: dict[str, Any] = {"trust_remote_code": self.trust_remote_code, **self.model_kwargs}
@@ -93,14 +105,15 @@ class TransformersModel(TorchTwinkleModel):
             elif value_head:
                 extra["config"] = copy.deepcopy(extra["config"])  # never the caller's config object
                 extra["config"].num_labels = 1
-            with resolve.explain_remote_code_refusal(f"the model {self.model_id!r}"):
+            with resolve.explain_remote_code_refusal(f"the model {self.model_id!r}"), self._explain_attention():
                 module = auto.from_pretrained(self.model_path, dtype=torch.float32, **extra, **common)
         else:
             config = self._hf_config()
             if value_head:
                 config = copy.deepcopy(config)
                 config.num_labels = 1
-            module = auto.from_config(config, dtype=torch.float32, **common)
+            with self._explain_attention():
+                module = auto.from_config(config, dtype=torch.float32, **common)
         if self.gradient_checkpointing:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if hasattr(module, "enable_input_require_grads"):

@@ -398,6 +398,8 @@ def _convert(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
 def _build(cls: type, raw: Any, path: str, errors: _Errors) -> Any:
     if raw is None:
         raw = {}
+    if isinstance(raw, str) and "name" in {f.name for f in dataclasses.fields(cls)}:
+        raw = {"name": raw}  # the shorthand ``strategy: ddp`` (or ``strategy=accelerate`` on the command line)
     if not isinstance(raw, dict):
         errors.add(path, f"expected a mapping, got {_got(raw)}")
         return cls()
