@@ -286,3 +286,18 @@ def test_a_section_with_a_name_takes_the_name_alone():
     with pytest.raises(ConfigError, match="data: expected a mapping, got string"):
         recipe_from_dict({"task": "causal_lm", "model": {"class_name": "TransformersModel", "model_id": "m"},
                           "data": "x.jsonl"})
+
+
+def test_local_paths_that_do_not_exist_are_named(tmp_path):
+    from twinkle_core.train.recipe import check_paths
+
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    base = {"task": "causal_lm", "model": {"class_name": "TransformersModel", "model_id": "Qwen/Qwen2.5-0.5B"},
+            "data": {"train": str(tmp_path / "train.jsonl")}}
+    check_paths(recipe_from_dict(base))  # a bare org/name is a hub id: resolved later, not checked here
+    bad = {**base, "model": {"class_name": "TransformersModel", "model_id": str(tmp_path / "nowhere")},
+           "data": {"train": str(tmp_path / "missing.jsonl"), "eval": str(tmp_path / "train.jsonl")}}
+    with pytest.raises(ConfigError) as info:
+        check_paths(recipe_from_dict(bad))
+    assert "data.train: " in str(info.value) and "missing.jsonl' does not exist" in str(info.value)
+    assert "model.model_id: the directory" in str(info.value) and "data.eval" not in str(info.value)

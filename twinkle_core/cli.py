@@ -7,7 +7,8 @@
     twinkle train RECIPE.yaml [key.path=value ...] [--resume PATH|latest] [--dry-run]
                   [--nproc-per-node N] [--nnodes N] [--node-rank R] [--master-addr A] [--master-port P]
 
-``twinkle train`` validates the recipe (keys, types and plugin names) before anything starts.
+``twinkle train`` validates the recipe (keys, types, plugin names, local files, options and adapter keys) before
+anything starts; ``--dry-run`` stops there.
 With ``--nproc-per-node`` > 1 or ``--nnodes`` > 1 it launches ``torch.distributed.run`` (torchrun),
 whose workers run ``python -m twinkle_core.cli train RECIPE ...`` without the launcher flags;
 otherwise it trains in this process.
@@ -60,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("--resume", metavar="PATH|latest",
                          help="continue from a checkpoint directory, or the newest one under train.output_dir")
     p_train.add_argument("--dry-run", action="store_true",
-                         help="validate the recipe, print it resolved, and exit without training")
+                         help="validate the recipe (keys, plugin names, local files, component options, adapter "
+                              "keys, model / strategy / mesh), print it resolved, and exit without training")
     launch = p_train.add_argument_group("multi-process launch (torchrun)")
     launch.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N",
                         help="processes per node (default 1: train in this process)")
@@ -194,6 +196,7 @@ def _configure_logging() -> None:
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from twinkle_core.train.recipe import (
+        check_paths,
         load_recipe,
         recipe_to_dict,
         validate_components,
@@ -208,11 +211,15 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.resume:
         recipe.train.resume = args.resume
     validate_plugin_names(recipe)
+    check_paths(recipe)
     launching = args.nproc_per_node > 1 or args.nnodes > 1
     if recipe.mesh and launching:
         from twinkle_core.mesh import DeviceMesh
 
         DeviceMesh(**recipe.mesh).validate(args.nproc_per_node * args.nnodes)
+    # imports torch and the backend: option typos, a wrong adapter key and an impossible model / strategy / mesh
+    # fail here once, instead of on every rank after torchrun started (and a dry run checks all of it)
+    validate_components(recipe)
     if args.dry_run:
         import yaml
 
@@ -220,9 +227,6 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         where = f"{args.nproc_per_node * args.nnodes} processes" if launching else "this process"
         print(f"# recipe OK; would train in {where}", file=sys.stderr)
         return 0
-    # imports torch and the backend (hence not in --dry-run): option typos and an impossible
-    # model / strategy / mesh fail here once, instead of on every rank after torchrun started
-    validate_components(recipe)
     _configure_logging()
     if launching:
         from torch.distributed import run as torchrun

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from typing import Any
@@ -13,6 +14,8 @@ from twinkle_core.errors import ConfigError
 # PEFT layer attributes that hold per-adapter weights
 _ADAPTER_LAYERS = {"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
                    "modules_to_save"}
+#: other frameworks' names for PEFT's LoRA options
+_LORA_ALIASES = {"alpha": "lora_alpha", "rank": "r", "dropout": "lora_dropout", "target": "target_modules"}
 _LORA_KEYS = {"r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora", "use_dora",
               "modules_to_save", "init_lora_weights", "rank_pattern", "alpha_pattern", "layers_to_transform"}
 
@@ -31,7 +34,11 @@ def to_peft_config(config: Any) -> Any:
         raise ConfigError(f"adapter type {kind!r} is not supported by dict configs; pass a peft config object")
     unknown = set(config) - _LORA_KEYS
     if unknown:
-        raise ConfigError(f"unknown LoRA option(s) {sorted(unknown)}; known: {sorted(_LORA_KEYS)}")
+        meant = {key: _LORA_ALIASES.get(key) or next(iter(difflib.get_close_matches(key, _LORA_KEYS, n=1)), None)
+                 for key in sorted(unknown)}
+        hints = "; ".join(f"did you mean {m!r} for {k!r}?" for k, m in meant.items() if m)
+        raise ConfigError(f"unknown LoRA option(s) {sorted(unknown)}" + (f"; {hints}" if hints else "")
+                          + f" Known: {sorted(_LORA_KEYS)}")
     return peft.LoraConfig(task_type=None, **config)
 
 

@@ -49,6 +49,10 @@ class TransformersModel(TorchTwinkleModel):
         super().__init__(**kwargs)
 
     @classmethod
+    def check_adapter_config(cls, config: Any) -> None:
+        adapters.to_peft_config(config)  # builds a peft.LoraConfig only: no network
+
+    @classmethod
     def load_tokenizer(cls, path: str, *, trust_remote_code: bool = False) -> Any:
         from transformers import AutoTokenizer
 

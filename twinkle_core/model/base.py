@@ -42,6 +42,11 @@ class TwinkleModel(ABC):
         raise ConfigError(f"{cls.__name__} cannot load a tokenizer (from {path}): load it yourself and pass "
                           f"tokenizer=, or use a model class whose backend can (such as TransformersModel)")
 
+    @classmethod
+    def check_adapter_config(cls, config: Any) -> None:
+        """Refuse an adapter config this class would refuse in ``add_adapter_to_model``, without building anything
+        (``twinkle train`` and ``--dry-run`` call it before launching). Default: accept."""
+
     # ------------------------------------------------------------------ compute
     @abstractmethod
     def forward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kwargs: Any) -> dict[str, Any]:

@@ -634,6 +634,27 @@ def validate_plugin_names(recipe: Recipe, plugins: Any = None) -> None:
             raise
 
 
+def check_paths(recipe: Recipe) -> None:
+    """Refuse local files and directories the recipe names that do not exist, before anything is launched.
+
+    ``data.train`` / ``data.eval`` are files; ``model.model_id`` / ``model.tokenizer`` are checked only when they
+    are local paths (absolute, or written ``./`` / ``~``): a bare ``org/name`` is a hub id, resolved later."""
+    problems = []
+    for key, value in (("data.train", recipe.data.train), ("data.eval", recipe.data.eval)):
+        if isinstance(value, str) and "://" not in value and not os.path.exists(os.path.expanduser(value)):
+            problems.append(f"{key}: {value!r} does not exist")
+    for key, value in (("model.model_id", recipe.model.model_id), ("model.tokenizer", recipe.model.tokenizer)):
+        if not isinstance(value, str) or "://" in value:
+            continue
+        path = Path(value).expanduser()
+        if not (path.is_absolute() or value.startswith(("./", "../", "~"))):
+            continue
+        if not path.exists():
+            problems.append(f"{key}: the directory {value!r} does not exist")
+    if problems:
+        raise ConfigError("invalid recipe:\n  " + "\n  ".join(problems) if len(problems) > 1 else problems[0])
+
+
 def validate_components(recipe: Recipe, plugins: Any = None) -> None:
     """Check every ``options`` mapping against the component it configures, and that the model class,
     strategy and mesh can work together, before anything is launched or built.
@@ -653,6 +674,11 @@ def validate_components(recipe: Recipe, plugins: Any = None) -> None:
     task = task_cls(**recipe.task_options)
     model_cls = plugins.load("model", recipe.model.class_name)
     check_options(model_cls, recipe.model.options, where="model.options", provided=_CONSTRUCTOR_KEYS_FROM)
+    if recipe.model.adapter:
+        try:
+            model_cls.check_adapter_config(dict(recipe.model.adapter))
+        except ConfigError as exc:
+            raise ConfigError(f"model.adapter: {exc}") from None
     strategy_cls = plugins.load("strategy", recipe.strategy.name)
     check_options(strategy_cls, recipe.strategy.options, where="strategy.options",
                   provided={"mesh": "mesh", "precision": "precision"})
