@@ -153,11 +153,13 @@ def test_bad_options_and_combinations_fail_before_anything_is_built(plugins, sec
 def test_cli_fails_before_torchrun_for_an_impossible_combination(tmp_path):
     pytest.importorskip("twinkle_backend_hf")
     path = tmp_path / "bad.yaml"
+    (tmp_path / "model").mkdir()  # the files exist: only the combination is wrong
+    (tmp_path / "data.jsonl").write_text("{}\n")
     path.write_text(textwrap.dedent("""
-        model: {class_name: TransformersModel, model_id: /no/model}
+        model: {class_name: TransformersModel, model_id: ./model}
         strategy: {name: ddp}
         mesh: {tp: 2}
-        data: {train: /no/data.jsonl}
+        data: {train: data.jsonl}
         train: {output_dir: out}
     """))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TWINKLE_") and k not in ("WORLD_SIZE", "RANK")}

@@ -133,7 +133,9 @@ def test_keyboard_interrupt_is_not_swallowed(use_plugins, tmp_path, monkeypatch)
 
 def test_train_dry_run_survives_every_fault(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("model: {model_id: /m}\ndata: {train: /d}\n")
+    (tmp_path / "m").mkdir()  # a dry run checks the local files too
+    (tmp_path / "d").write_text("{}\n")
+    recipe.write_text("model: {model_id: ./m}\ndata: {train: ./d}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TWINKLE_") and k != "PYTHONPATH"}
     env.update(PYTHONPATH=str(FAULTY), TWINKLE_PLUGINS=",".join(sorted(FAULTS)))
     result = subprocess.run([sys.executable, "-m", "twinkle_core.cli", "train", str(recipe), "--dry-run"],
