@@ -12,13 +12,25 @@ if TYPE_CHECKING:
     import torch
 
 
-def build_optimizer(spec: Any, parameters: list[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer:
-    """``spec``: a registered name (``"AdamW"``), an ``Optimizer`` subclass, or an instance (returned as is)."""
+#: ``implementation=`` values for torch optimizers that have fused / foreach kernels (AdamW, Adam, SGD, ...)
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+
+
+def build_optimizer(spec: Any, parameters: list[torch.nn.Parameter], *, implementation: str = "auto",
+                    **kwargs: Any) -> torch.optim.Optimizer:
+    """``spec``: a registered name (``"AdamW"``), an ``Optimizer`` subclass, or an instance (returned as is).
+
+    ``implementation`` picks the kernel of a torch optimizer that has several: ``auto`` (the default) takes the
+    fused kernel where torch has one for every parameter's device and dtype, else the foreach one where the
+    devices support it, else the per-parameter loop; ``fused`` / ``foreach`` / ``for_loop`` insist. All give
+    the same update within floating-point rounding (``transformers.Trainer`` defaults to the fused AdamW too).
+    """
     import torch
 
     if isinstance(spec, torch.optim.Optimizer):
-        if kwargs:
-            raise ConfigError(f"set_optimizer got an optimizer instance and also options {sorted(kwargs)}; "
+        if kwargs or implementation != "auto":
+            given = sorted(kwargs) + ([] if implementation == "auto" else ["implementation"])
+            raise ConfigError(f"set_optimizer got an optimizer instance and also options {given}; "
                               f"pass one or the other")
         return spec
     if isinstance(spec, str):
@@ -28,9 +40,74 @@ def build_optimizer(spec: Any, parameters: list[torch.nn.Parameter], **kwargs: A
     if inspect.isclass(spec) and issubclass(spec, torch.optim.Optimizer):
         if not parameters:
             raise ConfigError("the optimizer has no trainable parameters: add an adapter or unfreeze the model")
-        return spec(parameters, **kwargs)
+        return spec(parameters, **kwargs, **implementation_options(spec, parameters, implementation, kwargs))
     raise ConfigError(f"cannot build an optimizer from {spec!r}; pass a registered name, an Optimizer class "
                       f"or an Optimizer instance")
+
+
+def check_implementation(optimizer_cls: type, implementation: str, options: dict[str, Any]) -> set[str]:
+    """Refuse an unknown ``implementation`` or one the class cannot take; return the kernels it selects among."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ConfigError(f"optimizer implementation {implementation!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    kernels = {name for name in ("fused", "foreach") if name in inspect.signature(optimizer_cls).parameters}
+    if implementation == "auto":
+        return kernels
+    explicit = sorted(name for name in ("fused", "foreach") if options.get(name) is not None)
+    if explicit:
+        raise ConfigError(f"optimizer: pass implementation={implementation!r} or {'/'.join(explicit)}=, not both")
+    if implementation != "for_loop" and implementation not in kernels:
+        raise ConfigError(f"{optimizer_cls.__name__} has no {implementation} kernel (it has: "
+                          f"{', '.join(sorted(kernels | {'for_loop'}))}); use implementation='auto'")
+    return kernels
+
+
+def check_optimizer_options(optimizer_cls: type, options: dict[str, Any]) -> None:
+    """A recipe's ``optimizer.options`` bound to the optimizer's signature, plus ``implementation``."""
+    from twinkle_core.options import check_options
+
+    options = dict(options)
+    implementation = options.pop("implementation", "auto")
+    try:
+        check_implementation(optimizer_cls, implementation, options)
+    except ConfigError as exc:
+        raise ConfigError(f"optimizer.options.implementation: {exc}") from None
+    check_options(optimizer_cls, options, where="optimizer.options", positional=1,  # the parameters
+                  provided={"lr": "optimizer.lr", "weight_decay": "optimizer.weight_decay"})
+
+
+def _dtensor_has_fused(optimizer_cls: type, parameters: list[Any]) -> bool:
+    """Sharded (DTensor) parameters, as FSDP2 makes them, have fused kernels for Adam and AdamW only."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in parameters):
+        return True
+    return issubclass(optimizer_cls, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def implementation_options(optimizer_cls: type, parameters: list[Any], implementation: str,
+                           options: dict[str, Any]) -> dict[str, Any]:
+    """The ``fused`` / ``foreach`` keyword arguments that select ``implementation`` for these parameters."""
+    from torch.optim.optimizer import _get_foreach_kernels_supported_devices, _get_fused_kernels_supported_devices
+
+    kernels = check_implementation(optimizer_cls, implementation, options)
+    if not kernels or any(options.get(name) is not None for name in ("fused", "foreach")):
+        return {}  # the user chose through the class's own keywords, or there is nothing to choose
+
+    def runs_on(devices: list[str]) -> bool:
+        return all(p.device.type in devices and p.is_floating_point() for p in parameters)
+
+    fused_ok = ("fused" in kernels and not options.get("differentiable")  # torch refuses fused + differentiable
+                and runs_on(_get_fused_kernels_supported_devices()) and _dtensor_has_fused(optimizer_cls, parameters))
+    foreach_ok = "foreach" in kernels and runs_on(_get_foreach_kernels_supported_devices())
+    if implementation == "auto":
+        implementation = "fused" if fused_ok else "foreach" if foreach_ok else "for_loop"
+    elif implementation == "fused" and not fused_ok:
+        devices = sorted({f"{p.device.type}/{p.dtype}" for p in parameters})
+        raise ConfigError(f"{optimizer_cls.__name__}: torch has no fused kernel for parameters on {devices}; "
+                          f"use implementation='auto'")
+    chosen = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[implementation]
+    return {k: v for k, v in chosen.items() if k in kernels}
 
 
 def build_scheduler(spec: Any, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
