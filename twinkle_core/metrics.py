@@ -13,6 +13,9 @@ class Metric(ABC):
     """
 
     name: ClassVar[str] = ""
+    #: whether ``update`` reads ``outputs["logits"]``; only then does ``forward_backward`` compute full logits
+    #: for a loss that could apply the LM head itself (``Loss.fuses_lm_head``)
+    reads_logits: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.reset()
@@ -40,6 +43,7 @@ class LossMetric(Metric):
     """
 
     name = "loss"
+    reads_logits = False
     _PREFIX = "loss_metric:"
 
     def reset(self) -> None:

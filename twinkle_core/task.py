@@ -42,6 +42,9 @@ class Task(ABC):
     #: what kind of network the backend should build: "causal_lm", "encoder" (hidden states), or "token_value"
     #: (one scalar per token: a PPO critic's value head, ``outputs["logits"]`` of shape ``[B, T, 1]``)
     model_kind: ClassVar[str] = "causal_lm"
+    #: whether ``process_outputs`` reads ``outputs["logits"]`` in training; a task that does not (it passes them
+    #: through) lets a loss that applies the LM head itself skip the logits (``Loss.fuses_lm_head``)
+    reads_logits: ClassVar[bool] = True
     #: batch features this task's batches carry beyond tokens and labels (see ``Loss.requires``)
     provides: ClassVar[frozenset[str]] = frozenset()
     #: whether the trainer's evaluation computes the loss on ``data.eval`` batches; a task whose eval rows are

@@ -28,6 +28,14 @@ from twinkle_core.sources import resolve
 _AUTO_CLASSES = {"causal_lm": "AutoModelForCausalLM", "encoder": "AutoModel",
                  "token_value": "AutoModelForTokenClassification"}
 
+#: causal LMs whose logits are exactly ``lm_head(final normed hidden states)`` (no soft-capping or scaling after
+#: the head), so a loss may apply the head itself; each is checked against its unfused logits in
+#: tests/test_fused_lm_head.py
+_PLAIN_HEAD_MODEL_TYPES = frozenset({
+    "qwen2", "qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "llama", "mistral", "glm4",
+    "deepseek_v3", "deepseek_v4", "internlm3",
+})
+
 
 class TransformersModel(TorchTwinkleModel):
     model_input_keys = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
@@ -134,6 +142,14 @@ class TransformersModel(TorchTwinkleModel):
         """The underlying ``transformers`` model (inside PEFT's wrapper when adapters exist)."""
         module = self.module
         return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+    def _lm_head(self) -> torch.nn.Linear | None:
+        if getattr(self.task, "model_kind", "causal_lm") != "causal_lm":
+            return None
+        if self.hf_model.config.model_type not in _PLAIN_HEAD_MODEL_TYPES:
+            return None
+        head = self.hf_model.get_output_embeddings()
+        return head if type(head) is torch.nn.Linear else None  # a LoRA- or fp8-wrapped head computes more
 
     def _run_module(self, module: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         kwargs = {k: v for k, v in inputs.items() if k in self.model_input_keys}

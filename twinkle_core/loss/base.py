@@ -70,6 +70,18 @@ class Loss(ABC):
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
                  context: LossContext | None = None) -> LossOutput: ...
 
+    def fuses_lm_head(self, vocab_size: int) -> bool:
+        """Whether this loss applies the LM head itself for a ``vocab_size``-entry vocabulary.
+
+        When it says so and the model can (its backend knows its LM head is a plain linear layer, its strategy
+        keeps whole weights, no metric or task reads logits), ``forward_backward`` hands the loss
+        ``outputs["hidden_states"]`` (the final, normed ``[B, T, H]`` states, in the head's compute dtype) and
+        ``outputs["lm_head_weight"]`` (``[V, H]``, optionally ``"lm_head_bias"``) instead of ``outputs["logits"]``,
+        which are then never computed: see :mod:`twinkle_core.loss.fused_head`. ``forward`` and
+        ``forward_only`` always return logits.
+        """
+        return False
+
 
 def require_whole_sequences(inputs: dict[str, Any], where: str, context: LossContext | None = None) -> None:
     """Per-sequence losses (DPO, GRPO ...) need every token of a sequence on one rank: refuse a sequence-parallel

@@ -8,14 +8,20 @@ import torch
 import torch.nn.functional as F
 
 from twinkle_core.loss._common import check_reduction
+from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import Loss, LossContext, LossOutput
+from twinkle_core.loss.fused_head import linear_cross_entropy
 from twinkle_core.loss.logprobs import (
     DEFAULT_CHUNK_SIZE,
     acc_dtype,
     label_logprobs,
-    linear_label_logprobs,
     next_token_labels,
 )
+
+#: vocabularies from this size on get the fused LM head by default (``lm_head="auto"``): there the logits
+#: dominate a step's memory (Mistral's 32,768 and up; Qwen's 151,936 at 2,048 tokens are 1.2 GB in float32)
+FUSED_HEAD_MIN_VOCAB = 32_768
+LM_HEAD_MODES = ("auto", "fused", "logits")
 
 
 def _finish(total: torch.Tensor, count: torch.Tensor, reduction: str) -> LossOutput:
@@ -34,19 +40,42 @@ class CrossEntropyLoss(Loss):
 
     The logits are upcast to float32 (a full copy when they are bf16/fp16; float64 stays float64); use
     :class:`ChunkedCrossEntropyLoss` when that ``[N, V]`` copy does not fit.
+
+    ``lm_head``: ``auto`` (the default) lets ``forward_backward`` hand over the final hidden states and the LM
+    head's weight instead of logits when the vocabulary has at least ``FUSED_HEAD_MIN_VOCAB`` entries, and the
+    loss applies the head chunk by chunk (:mod:`twinkle_core.loss.fused_head`: the ``[N, V]`` logits never
+    exist, same value and gradients); ``fused`` does so at any vocabulary size; ``logits`` never.
     """
 
     name: ClassVar[str] = "cross_entropy"
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "sum", label_smoothing: float = 0.0) -> None:
+    def __init__(self, ignore_index: int = -100, reduction: str = "sum", label_smoothing: float = 0.0,
+                 lm_head: str = "auto") -> None:
         self.ignore_index = ignore_index
         self.reduction = check_reduction(reduction)
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
         self.label_smoothing = label_smoothing
+        if lm_head not in LM_HEAD_MODES:
+            raise ConfigError(f"lm_head={lm_head!r} is not one of {', '.join(LM_HEAD_MODES)}")
+        self.lm_head = lm_head
+
+    def fuses_lm_head(self, vocab_size: int) -> bool:
+        return self.lm_head == "fused" or (self.lm_head == "auto" and vocab_size >= FUSED_HEAD_MIN_VOCAB)
+
+    def _fused(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> LossOutput:
+        hidden = outputs["hidden_states"]
+        if isinstance(hidden, (tuple, list)):
+            hidden = hidden[-1]
+        labels = next_token_labels(inputs, self.ignore_index, hidden.device)
+        total = linear_cross_entropy(hidden, outputs["lm_head_weight"], labels, outputs.get("lm_head_bias"),
+                                     ignore_index=self.ignore_index, label_smoothing=self.label_smoothing)
+        return _finish(total, (labels != self.ignore_index).sum(), self.reduction)
 
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
                  context: LossContext | None = None) -> LossOutput:
+        if outputs.get("logits") is None and outputs.get("lm_head_weight") is not None:
+            return self._fused(outputs, inputs)
         logits = outputs["logits"]
         labels = next_token_labels(inputs, self.ignore_index, logits.device).reshape(-1)
         total = F.cross_entropy(
@@ -71,8 +100,9 @@ class ChunkedCrossEntropyLoss(CrossEntropyLoss):
 
     If ``outputs`` has no ``"logits"`` but has ``"hidden_states"`` (``[B, T, H]``, the final,
     post-norm hidden states; for a tuple the last element is used) and ``"lm_head_weight"``
-    (``[V, H]``, optional ``"lm_head_bias"``), the LM head is applied chunk by chunk inside the
-    function, so the ``[N, V]`` logits are never materialised at all.
+    (``[V, H]``, optional ``"lm_head_bias"``), the LM head is applied chunk by chunk
+    (:func:`~twinkle_core.loss.fused_head.linear_cross_entropy`), so the ``[N, V]`` logits are never
+    materialised at all; ``lm_head`` is as for :class:`CrossEntropyLoss`.
     """
 
     name: ClassVar[str] = "chunked_cross_entropy"
@@ -83,8 +113,10 @@ class ChunkedCrossEntropyLoss(CrossEntropyLoss):
         ignore_index: int = -100,
         reduction: str = "sum",
         label_smoothing: float = 0.0,
+        lm_head: str = "auto",
     ) -> None:
-        super().__init__(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+        super().__init__(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                         lm_head=lm_head)
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.chunk_size = chunk_size
@@ -92,23 +124,15 @@ class ChunkedCrossEntropyLoss(CrossEntropyLoss):
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
                  context: LossContext | None = None) -> LossOutput:
         logits = outputs.get("logits")
-        if logits is not None:
-            labels = next_token_labels(inputs, self.ignore_index, logits.device)
-            label_lp, mean_lp = label_logprobs(logits, labels, self.ignore_index, self.chunk_size)
-        else:
-            hidden = outputs.get("hidden_states")
-            weight = outputs.get("lm_head_weight")
-            if hidden is None or weight is None:
+        if logits is None:
+            if outputs.get("hidden_states") is None or outputs.get("lm_head_weight") is None:
                 raise KeyError(
                     "ChunkedCrossEntropyLoss needs outputs['logits'], or outputs['hidden_states'] "
                     "with outputs['lm_head_weight']"
                 )
-            if isinstance(hidden, (tuple, list)):
-                hidden = hidden[-1]
-            labels = next_token_labels(inputs, self.ignore_index, hidden.device)
-            label_lp, mean_lp = linear_label_logprobs(
-                hidden, weight, labels, outputs.get("lm_head_bias"), self.ignore_index, self.chunk_size
-            )
+            return self._fused(outputs, inputs)
+        labels = next_token_labels(inputs, self.ignore_index, logits.device)
+        label_lp, mean_lp = label_logprobs(logits, labels, self.ignore_index, self.chunk_size)
         eps = self.label_smoothing
         total = -label_lp.sum() if eps == 0.0 else -(1.0 - eps) * label_lp.sum() - eps * mean_lp.sum()
         return _finish(total, (labels != self.ignore_index).sum(), self.reduction)

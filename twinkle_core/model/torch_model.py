@@ -33,7 +33,7 @@ from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import CallableLoss, Loss, LossOutput, accepts_context
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.metrics import LossMetric, Metric
-from twinkle_core.model import frozen
+from twinkle_core.model import frozen, lm_head
 from twinkle_core.model.base import TwinkleModel
 from twinkle_core.model.frozen import trains
 from twinkle_core.model.train_state import TrainState
@@ -200,20 +200,47 @@ class TorchTwinkleModel(TwinkleModel):
         return self._adapter_context(name or None)
 
     def _compute(self, inputs: dict[str, Any], adapter_name: str | None,
-                 disable_adapters: bool = False) -> dict[str, Any]:
+                 disable_adapters: bool = False, fused_head: torch.nn.Linear | None = None) -> dict[str, Any]:
         with self._adapter_scope(adapter_name, disable_adapters), self.precision.autocast(self.device.type):
-            outputs = self._run_module(self.wrapped, inputs)
+            if fused_head is None:
+                outputs = self._run_module(self.wrapped, inputs)
+            else:
+                with lm_head.deferred(fused_head) as head_inputs:
+                    outputs = self._run_module(self.wrapped, inputs)
+                outputs = {**{k: v for k, v in outputs.items() if k != "logits"}, **head_inputs}
             return self.task.process_outputs(outputs, inputs) if self.task is not None else outputs
+
+    def _lm_head(self) -> torch.nn.Linear | None:
+        """The network's output layer, when the backend knows the logits are exactly this plain linear layer
+        applied to the final hidden states (no soft-capping or scaling after it); ``None`` otherwise."""
+        return None
+
+    def _fused_lm_head(self, state: TrainState) -> torch.nn.Linear | None:
+        """The LM head to hand to a loss that applies it itself (``Loss.fuses_lm_head``), or ``None``."""
+        self._ensure_loss(state)
+        head = self._lm_head()
+        fuses = getattr(state.loss, "fuses_lm_head", None)
+        if head is None or fuses is None or not fuses(head.out_features):
+            return None
+        # a sharding strategy gathers the head's weight only inside its forward; a task or metric may read logits
+        readers = [self.task, *state.metrics]
+        if self.strategy.forward_is_collective or any(getattr(r, "reads_logits", True) for r in readers if r):
+            return None
+        return head
 
     # ================================================================== compute
     @trains
     def forward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
+        return self._forward(inputs, adapter_name, fuse_lm_head=False)
+
+    def _forward(self, inputs: dict[str, Any], adapter_name: str | None, *, fuse_lm_head: bool) -> dict[str, Any]:
         state = self._state(adapter_name)
         inputs = self._to_device(self.strategy.prepare_inputs(dict(inputs)))
         if not self.wrapped.training:
             self.wrapped.train()
+        head = self._fused_lm_head(state) if fuse_lm_head else None
         with self._sync_context(state):  # DDP decides at forward time whether backward all-reduces
-            outputs = self._compute(inputs, adapter_name)
+            outputs = self._compute(inputs, adapter_name, fused_head=head)
         state.last_inputs, state.last_outputs = inputs, outputs
         return outputs
 
@@ -286,7 +313,7 @@ class TorchTwinkleModel(TwinkleModel):
     @trains
     def forward_backward(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
                          **kwargs: Any) -> dict[str, Any]:
-        outputs = self.forward(inputs=inputs, adapter_name=adapter_name)
+        outputs = self._forward(inputs, adapter_name, fuse_lm_head=True)
         loss = self.calculate_loss(adapter_name=adapter_name)
         self.backward(loss=loss, adapter_name=adapter_name)
         return {**outputs, "loss": loss.mean.detach(), "num_tokens": loss.num_tokens, **loss.metrics}

@@ -1,0 +1,41 @@
+"""Run a network without its LM head, keeping what a loss needs to apply the head itself.
+
+Used by ``TorchTwinkleModel.forward_backward`` when the loss fuses the head (``Loss.fuses_lm_head``): the
+head's ``forward`` is replaced, for one call of the network, by one that records its input and returns an
+empty ``[..., 0]`` tensor, so the ``[N, V]`` logits are never computed. Works for any network whose logits
+are ``head(final hidden states)``; the backend vouches for that (``TorchTwinkleModel._lm_head``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["deferred"]
+
+
+@contextlib.contextmanager
+def deferred(head: torch.nn.Linear) -> Iterator[dict[str, Any]]:
+    """Yield a mapping that, after the network ran, holds ``hidden_states``, ``lm_head_weight`` and
+    ``lm_head_bias`` in the dtype the head would have computed in (the autocast dtype under autocast), cast
+    inside autograd so gradients reach the parameters as they would through the head."""
+    captured: dict[str, Any] = {}
+
+    def capture(hidden: torch.Tensor) -> torch.Tensor:
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        captured.update(hidden_states=hidden.to(dtype), lm_head_weight=head.weight.to(dtype),
+                        lm_head_bias=None if head.bias is None else head.bias.to(dtype))
+        return hidden.new_empty(*hidden.shape[:-1], 0)
+
+    head.forward = capture  # an instance attribute shadows the class's forward for this call only
+    try:
+        yield captured
+    finally:
+        del head.forward
+    if not captured:
+        raise RuntimeError(f"the network never called its LM head ({type(head).__name__}); the backend's "
+                           f"_lm_head() names the wrong module")
