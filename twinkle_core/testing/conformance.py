@@ -111,6 +111,20 @@ class ModelContract(GenerationContract):
             m.zero_grad()
         assert_state_equal(snapshot(a.get_state_dict()), snapshot(b.get_state_dict()), atol=1e-6)
 
+    def test_a_loss_that_applies_the_lm_head_itself_gives_the_same_update(self, twinkle_factory):
+        # Loss.fuses_lm_head: a backend that hands the loss hidden states and the head's weight (instead of
+        # logits) must give the logits path's loss and update; one that cannot simply keeps the logits
+        batch = make_batch(5)
+        fused, plain = twinkle_factory(seed=0), twinkle_factory(seed=0)
+        losses = []
+        for m, mode in ((fused, "fused"), (plain, "logits")):
+            m.set_loss("cross_entropy", lm_head=mode)
+            m.set_optimizer("SGD", lr=0.1)
+            losses.append(float(m.forward_backward(inputs=local_rows(m, batch))["loss"]))
+            m.clip_grad_and_step(max_grad_norm=None)
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+        assert_state_equal(snapshot(fused.get_state_dict()), snapshot(plain.get_state_dict()), atol=1e-6)
+
     # ------------------------------------------------------------------ clipping
     def test_clip_grad_norm_returns_true_norm_and_clips(self, twinkle_factory):
         model = twinkle_factory(seed=0)
