@@ -114,7 +114,22 @@ def save_optimizer(directory: str, module: torch.nn.Module, optimizer: torch.opt
     if torch.distributed.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     torch.distributed.barrier()
+    _fork_the_results_queue()
     dist_checkpointing.save({"state": tensors, "common": common}, path)
+
+
+def _fork_the_results_queue() -> None:
+    """megatron-core's checkpoint writer collects its workers' results through a multiprocessing manager that it
+    starts with the *spawn* method, which re-imports the user's main script: a training script without an
+    ``if __name__ == "__main__":`` guard then trains again in that child, and the save hangs or dies with
+    ``EOFError``. Its writer workers are forked anyway; the manager is forked the same way (once per process,
+    before megatron-core would create its own)."""
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
 
 
 def load_optimizer(directory: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from twinkle_backend_megatron import convert
+from twinkle_backend_megatron import convert, recompute
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
 from twinkle_core.loss.base import LossOutput
 from twinkle_core.model.base import TwinkleModel
@@ -164,6 +164,8 @@ class MegatronModel(TorchTwinkleModel):
             **_RECOMPUTE[self.recompute],
         )
         kwargs.update(self.transformer_config_overrides)
+        if self.recompute:
+            recompute.install()  # the recomputed forward must see the forward's autocast (bf16 / fp16)
         return TransformerConfig(**kwargs)
 
     def _build_module(self) -> torch.nn.Module:
