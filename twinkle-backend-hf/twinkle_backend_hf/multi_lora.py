@@ -12,6 +12,8 @@ The tenant policy (rank and tenant limits, removal, ``tenants()``) is the core's
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from twinkle_backend_hf import adapters
@@ -24,8 +26,32 @@ class MultiLoraTransformersModel(MultiTenantMixin, TransformersModel):
     strategy_note = ("It runs one process per base model: a data-parallel wrapper captures the parameter set once, "
                      "while tenants come and go at run time.")
 
+    _switch: adapters.AdapterSwitch | None = None
+    _switch_wrapped: Any = None  # the wrapped module the switch was built for
+
     def _tenant_lora_config(self, config: Any) -> Any:
         return adapters.to_peft_config(config)
 
     def _lora_rank(self, lora_config: Any) -> int:
         return max([lora_config.r, *getattr(lora_config, "rank_pattern", {}).values()])
+
+    # ------------------------------------------------------------------ tenant switching
+    # Every tenant step switches adapters, so the switch must not walk the model (see AdapterSwitch).
+    def _add_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+        self._switch = None
+        super()._add_adapter(adapter_name, config, **kwargs)
+
+    def _remove_adapter(self, adapter_name: str) -> None:
+        self._switch = None
+        super()._remove_adapter(adapter_name)
+
+    @contextlib.contextmanager
+    def _adapter_context(self, adapter_name: str | None) -> Iterator[None]:
+        if adapter_name is not None:
+            wrapped = self.wrapped  # wrap first: a strategy may replace the parameters the switch records
+            switch = self._switch
+            if switch is None or self._switch_wrapped is not wrapped or not switch.is_current(self.module):
+                switch = self._switch = adapters.AdapterSwitch(self.module)
+                self._switch_wrapped = wrapped
+            switch.activate(adapter_name)
+        yield

@@ -93,6 +93,8 @@ class TorchTwinkleModel(TwinkleModel):
         self._parameter_cache: dict[str, list[torch.nn.Parameter]] = {}
         self._states: dict[str, TrainState] = {FULL_MODEL: self._new_state(FULL_MODEL)}
         self._adapters: dict[str, Any] = {}
+        self._lm_head_of: tuple[Any, ...] | None = None  # what _lm_head() was last asked about, and its answer
+        self._lm_head_found: torch.nn.Linear | None = None
         #: True on a model made by frozen_copy(): it only evaluates
         self.frozen = False
 
@@ -218,7 +220,10 @@ class TorchTwinkleModel(TwinkleModel):
     def _fused_lm_head(self, state: TrainState) -> torch.nn.Linear | None:
         """The LM head to hand to a loss that applies it itself (``Loss.fuses_lm_head``), or ``None``."""
         self._ensure_loss(state)
-        head = self._lm_head()
+        asked = (id(self.module), tuple(self._adapters))  # adapters (PEFT's wrapper, a LoRA-targeted head) change it
+        if asked != self._lm_head_of:
+            self._lm_head_of, self._lm_head_found = asked, self._lm_head()
+        head = self._lm_head_found
         fuses = getattr(state.loss, "fuses_lm_head", None)
         if head is None or fuses is None or not fuses(head.out_features):
             return None
