@@ -195,31 +195,39 @@ def _configure_logging() -> None:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    from twinkle_core.train.recipe import (
-        check_paths,
-        load_recipe,
-        recipe_to_dict,
-        validate_components,
-        validate_plugin_names,
-    )
+    from twinkle_core.train.logging import start_startup_timer
 
-    if args.nproc_per_node < 1 or args.nnodes < 1:
-        raise ConfigError("--nproc-per-node and --nnodes must be at least 1")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError(f"--node-rank {args.node_rank} must be in 0..{args.nnodes - 1}")
-    recipe = load_recipe(args.recipe, overrides)
-    if args.resume:
-        recipe.train.resume = args.resume
-    validate_plugin_names(recipe)
-    check_paths(recipe)
-    launching = args.nproc_per_node > 1 or args.nnodes > 1
-    if recipe.mesh and launching:
-        from twinkle_core.mesh import DeviceMesh
+    # where the time before the first optimizer step goes: the run's summary has it ("startup")
+    timer = start_startup_timer()
+    with timer.phase("recipe"):
+        from twinkle_core.train.recipe import (
+            check_paths,
+            load_recipe,
+            recipe_to_dict,
+            validate_components,
+            validate_plugin_names,
+        )
 
-        DeviceMesh(**recipe.mesh).validate(args.nproc_per_node * args.nnodes)
+        if args.nproc_per_node < 1 or args.nnodes < 1:
+            raise ConfigError("--nproc-per-node and --nnodes must be at least 1")
+        if not 0 <= args.node_rank < args.nnodes:
+            raise ConfigError(f"--node-rank {args.node_rank} must be in 0..{args.nnodes - 1}")
+        recipe = load_recipe(args.recipe, overrides)
+        if args.resume:
+            recipe.train.resume = args.resume
+    with timer.phase("plugins"):  # discovery: reads the registry, imports no component
+        validate_plugin_names(recipe)
+    with timer.phase("recipe"):
+        check_paths(recipe)
+        launching = args.nproc_per_node > 1 or args.nnodes > 1
+        if recipe.mesh and launching:
+            from twinkle_core.mesh import DeviceMesh
+
+            DeviceMesh(**recipe.mesh).validate(args.nproc_per_node * args.nnodes)
     # imports torch and the backend: option typos, a wrong adapter key and an impossible model / strategy / mesh
     # fail here once, instead of on every rank after torchrun started (and a dry run checks all of it)
-    validate_components(recipe)
+    with timer.phase("validate"):
+        validate_components(recipe)
     if args.dry_run:
         import yaml
 

@@ -10,6 +10,10 @@ Accepted conversation layouts (normalised by :func:`normalize_conversation`):
 * ShareGPT style: ``{"conversations": [{"from": "human", "value": "..."}, ...], "system": "..."}``
   (``human``/``user`` -> ``user``, ``gpt``/``assistant``/``model``/``chatgpt`` -> ``assistant``,
   ``system`` -> ``system``, ``tool``/``function``/``observation`` -> ``tool``)
+* Alpaca style: ``{"instruction": "...", "input": "...", "output": "...", "system": "...",
+  "history": [["user 1", "assistant 1"], ...]}`` (``input``, ``system`` and ``history`` optional):
+  the history pairs become earlier user/assistant turns, then the user turn is ``instruction``
+  followed by ``"\n"`` and ``input`` when ``input`` is non-empty, and the assistant turn is ``output``.
 
 An optional top-level ``"system"`` string is prepended as a system message when the
 conversation does not already start with one.
@@ -174,15 +178,55 @@ def _maybe_json(value: Any) -> Any:
     return value
 
 
+def is_alpaca_row(row: Any) -> bool:
+    return (isinstance(row, dict) and row.get("messages") is None and row.get("conversations") is None
+            and row.get("instruction") is not None)
+
+
 def is_conversation_row(row: Any) -> bool:
-    return isinstance(row, dict) and (row.get("messages") is not None or row.get("conversations") is not None)
+    return isinstance(row, dict) and (row.get("messages") is not None or row.get("conversations") is not None
+                                      or is_alpaca_row(row))
+
+
+ALPACA_KEYS = ("instruction", "input", "output", "history")
+
+
+def _alpaca_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
+    def text(key: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise RowError(f"'{key}' must be a string, got {type(value).__name__}")
+        return value
+
+    instruction = text("instruction", row["instruction"])
+    if row.get("output") is None:
+        raise RowError("Alpaca row (it has 'instruction') has no 'output'")
+    output = text("output", row["output"])
+    query = instruction
+    if row.get("input") is not None and text("input", row["input"]):
+        query = f"{instruction}\n{row['input']}" if instruction else row["input"]
+    messages: list[dict[str, Any]] = []
+    history = _maybe_json(row["history"]) if row.get("history") is not None else []
+    if not isinstance(history, list):
+        raise RowError(f"'history' must be a list of [user, assistant] pairs, got {type(history).__name__}")
+    for i, pair in enumerate(history):
+        if (not isinstance(pair, (list, tuple)) or len(pair) != 2
+                or not all(isinstance(x, str) for x in pair)):
+            raise RowError(f"'history' item {i} must be a [user, assistant] pair of strings, got {pair!r}"[:200])
+        messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    messages += [{"role": "user", "content": query}, {"role": "assistant", "content": output}]
+    return messages
 
 
 def normalize_conversation(row: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Return ``(messages as role/content dicts, other fields)`` for an OpenAI or ShareGPT row."""
+    """Return ``(messages as role/content dicts, other fields)`` for an OpenAI, ShareGPT or Alpaca row."""
     if not isinstance(row, dict):
         raise RowError(f"a row must be a JSON object, got {type(row).__name__}")
-    if row.get("messages") is not None:
+    skip: tuple[str, ...] = ("messages", "conversations", "system")
+    if is_alpaca_row(row):
+        key = "instruction"
+        messages = _alpaca_messages(row)
+        skip += ALPACA_KEYS
+    elif row.get("messages") is not None:
         raw = _maybe_json(row["messages"])
         key = "messages"
         if not isinstance(raw, list):
@@ -208,10 +252,10 @@ def normalize_conversation(row: Any) -> tuple[list[dict[str, Any]], dict[str, An
                 msg = dict(turn)
             messages.append(msg)
     else:
-        raise RowError("row has neither 'messages' nor 'conversations'")
+        raise RowError("row has neither 'messages' nor 'conversations' (nor Alpaca 'instruction' / 'output')")
     if not messages:
         raise RowError(f"'{key}' is empty")
-    extra = {k: v for k, v in row.items() if k not in ("messages", "conversations", "system")}
+    extra = {k: v for k, v in row.items() if k not in skip}
     system = row.get("system")
     if system is not None:
         if not isinstance(system, str):
@@ -229,6 +273,7 @@ __all__ = [
     "Message",
     "RowError",
     "Trajectory",
+    "is_alpaca_row",
     "is_conversation_row",
     "normalize_conversation",
 ]

@@ -4,8 +4,15 @@
 assistant turn is trained (its content and its end-of-turn token such as ``<|im_end|>``), every
 other token has label -100. Assistant spans are found by rendering prefixes: for the assistant
 message ``i``, ``render(messages[:i], add_generation_prompt=True)`` must be a prefix of
-``render(messages[:i+1])``, which must be a prefix of the whole rendering. Templates that rewrite
-earlier turns (e.g. dropping past reasoning) break that property and raise :class:`TemplateError`.
+``render(messages[:i+1])``. When the whole rendering rewrites that turn (a template that drops the
+reasoning of earlier assistant turns, such as Qwen3's), the turn as the whole rendering has it is
+the longest end of ``render(messages[:i+1])``'s assistant part that the whole rendering continues
+with (the rewritten text is what is trained). A template that rewrites the prompts of earlier turns
+raises :class:`TemplateError`.
+
+``chat_template``: a Jinja source used instead of the tokenizer's own (see
+:mod:`twinkle_core.data.chat_templates` for the built-in names); it is set on the tokenizer, so a
+saved tokenizer keeps it.
 
 The text is tokenised segment by segment (prompt parts and assistant parts separately, without
 the tokenizer's automatic special tokens), so label spans always fall on token boundaries, and a
@@ -21,6 +28,7 @@ In both modes ``labels`` are aligned with ``input_ids`` (the loss shifts them) a
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,27 +42,46 @@ TRUNCATION_SIDES = ("right", "left", "error")
 KNOWN_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eom_id|>")
 
 
+logger = logging.getLogger(__name__)
+
+
 class TemplateError(RowError):
     """The chat template cannot be used to locate assistant turns for this conversation."""
 
 
 def _no_chat_template(tokenizer: Any) -> str:
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    from twinkle_core.data.chat_templates import template_names
+
     return (f"the tokenizer {name!r} has no chat template, so it cannot render chat data (data.mode: chat, the "
-            "default); set model.tokenizer to a tokenizer that has one (e.g. the model's instruct/chat version), "
-            "or use pretrain-format data ({\"text\": ...} rows) with data.mode: pretrain")
+            f"default); set the recipe key data.template to a chat template name ({', '.join(template_names())}) "
+            "or a Jinja file, or set model.tokenizer to a tokenizer that has one (e.g. the model's instruct/chat "
+            "version), or use pretrain-format data ({\"text\": ...} rows) with data.mode: pretrain")
 
 
 class Template:
     def __init__(self, tokenizer: Any, max_length: int | None = None, mode: str = "chat",
                  truncation: str = "right", *, end_of_turn_tokens: Sequence[str] | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
+                 chat_template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None) -> None:
         if mode not in ("chat", "pretrain"):
             raise ConfigError(f"mode must be 'chat' or 'pretrain', got {mode!r}")
         if truncation not in TRUNCATION_SIDES:
             raise ConfigError(f"truncation must be one of {', '.join(map(repr, TRUNCATION_SIDES))}, got {truncation!r}")
         if max_length is not None and max_length < 2:
             raise ConfigError(f"max_length must be at least 2 to hold a prompt and an answer, got {max_length}")
+        end_of_turn_tokens = list(end_of_turn_tokens or ())
+        if chat_template is not None:
+            from twinkle_core.data.chat_templates import resolve_chat_template
+
+            source, marker, label = resolve_chat_template(chat_template)
+            tokenizer.chat_template = source
+            marker = marker or getattr(tokenizer, "eos_token", None)
+            if marker and marker in tokenizer.get_vocab():
+                end_of_turn_tokens.append(marker)
+            elif marker and mode == "chat":
+                logger.warning("chat template %r ends assistant turns with %r, which is not a single token of this "
+                               "tokenizer: the model learns it as plain text (use the model family's tokenizer)",
+                               label, marker)
         if mode == "chat" and not getattr(tokenizer, "chat_template", None):
             raise ConfigError(_no_chat_template(tokenizer))
         self.tokenizer = tokenizer
@@ -100,8 +127,14 @@ class Template:
         kwargs = dict(self.chat_template_kwargs)
         if tools is not None:
             kwargs["tools"] = tools
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **kwargs)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **kwargs)
+        except Exception as exc:  # jinja2 errors, raise_exception() in the template
+            if isinstance(exc, RowError):
+                raise
+            raise TemplateError(f"the chat template cannot render this conversation: {type(exc).__name__}: "
+                                f"{exc}") from None
         if not isinstance(text, str):  # pragma: no cover - defensive, depends on transformers
             raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, expected str")
         return text
@@ -161,30 +194,38 @@ class Template:
         tools = trajectory.extra.get("tools")
         full = self.render(messages, tools=tools)
         spans: list[tuple[int, int]] = []
-        previous_end, previous_text = 0, ""
+        previous_end = 0
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
             turn = self.render(messages[: i + 1], tools=tools)
-            if not prompt.startswith(previous_text):
+            if not full.startswith(prompt):
                 raise TemplateError(
-                    f"the chat template is not prefix-stable: the prompt for assistant message {i} does not "
-                    "start with the rendering of the earlier turns (the template rewrites past turns)")
+                    f"the chat template is not prefix-stable: the prompt for assistant message {i} (the earlier "
+                    "turns and the generation prompt) is not how the whole conversation begins (the template "
+                    "rewrites past turns)")
             if not turn.startswith(prompt):
                 raise TemplateError(
                     f"the chat template is not prefix-stable: rendering messages[:{i}] with "
                     f"add_generation_prompt=True is not a prefix of rendering messages[:{i + 1}]; "
                     "the assistant turn cannot be located (pass a prefix-stable chat template)")
-            if not full.startswith(turn):
-                raise TemplateError(
-                    f"the chat template is not prefix-stable: rendering messages[:{i + 1}] is not a prefix "
-                    "of the whole conversation (the template rewrites earlier turns, e.g. strips reasoning)")
-            start, end = len(prompt), len(turn)
-            if start < previous_end:  # pragma: no cover - implied by the prefix checks
-                raise TemplateError(f"assistant message {i} overlaps the previous assistant turn")
+            start = len(prompt)
+            if start < previous_end:
+                raise TemplateError(f"the chat template is not prefix-stable: assistant message {i} starts "
+                                    "inside the previous assistant turn")
+            if full.startswith(turn):
+                end = len(turn)
+            else:  # the whole rendering rewrites this turn (drops its reasoning): keep what it has
+                kept = _overlap(turn[start:], full[start:])
+                if kept == 0:
+                    raise TemplateError(
+                        f"the chat template is not prefix-stable: rendering messages[:{i + 1}] is not a prefix "
+                        "of the whole conversation, and the whole conversation does not continue with the end of "
+                        f"assistant message {i} (the template rewrites earlier turns)")
+                end = start + kept
             spans.append((start, end))
-            previous_end, previous_text = end, turn
+            previous_end = end
         return full, spans
 
     def encode_chat(self, trajectory: Trajectory) -> InputFeature:
@@ -216,6 +257,23 @@ class Template:
             tools = tools if tools is not None else messages.extra.get("tools")
             messages = messages.to_dicts()
         return self._tokenize(self.render(messages, add_generation_prompt=True, tools=tools))
+
+
+def _overlap(a: str, b: str) -> int:
+    """The length of the longest end of ``a`` that ``b`` begins with (KMP failure function, linear time)."""
+    b = b[: len(a)]
+    if not a or not b:
+        return 0
+    text = [*b, None, *a]  # None never equals a character
+    fail = [0] * len(text)
+    for j in range(1, len(text)):
+        k = fail[j - 1]
+        while k and text[j] != text[k]:
+            k = fail[k - 1]
+        if text[j] == text[k]:
+            k += 1
+        fail[j] = k
+    return fail[-1]
 
 
 __all__ = ["KNOWN_END_OF_TURN_TOKENS", "TRUNCATION_SIDES", "Template", "TemplateError"]

@@ -9,6 +9,14 @@ Data options (``load_dataset`` keyword arguments; the recipe's ``task_options`` 
   its end (``"left"``), or is an error (``"error"``)
 * ``packing``: pack several samples per row, padding-free (needs ``max_length``)
 * ``pad_to_multiple_of``: pad batch lengths up to a multiple (task option, used by ``collate``)
+* ``template``: a built-in chat template name or a Jinja file, instead of the tokenizer's own
+  (:mod:`twinkle_core.data.chat_templates`)
+* ``columns``: ``{source column: target}`` mapping applied to every source without its own
+* ``seed``: the seed of the weighted mixing of several sources (:mod:`twinkle_core.data.mixing`)
+
+``path`` is a data spec (:mod:`twinkle_core.data.mixing`): a file, a data set directory, an
+``hf://`` / ``ms://`` data set id, or a list of sources (``{path, weight, columns, split}``), or else
+a list of rows.
 
 Batches follow :mod:`twinkle_core.data.collate`: a padded batch has ``attention_mask``; a packed
 batch has ``position_ids`` and no ``attention_mask``.
@@ -17,13 +25,13 @@ batch has ``position_ids`` and no ``attention_mask``.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from twinkle_core.data.collate import collate_causal_lm
 from twinkle_core.data.formats import IGNORE_INDEX, InputFeature, RowError, Trajectory, is_conversation_row
-from twinkle_core.data.loading import load_records
+from twinkle_core.data.loading import validate_row
+from twinkle_core.data.mixing import Record, is_data_spec, load_spec
 from twinkle_core.data.packing import pack_features
 from twinkle_core.data.template import Template
 from twinkle_core.errors import ConfigError, DataFormatError
@@ -97,6 +105,7 @@ class CausalLMTask(Task):
     name = "causal_lm"
     default_loss = "cross_entropy"
     model_kind = "causal_lm"
+    reads_logits = False  # process_outputs passes them through
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
@@ -108,40 +117,62 @@ class CausalLMTask(Task):
 
     # ------------------------------------------------------------------ data
     def make_template(self, tokenizer: Any, *, max_length: int | None = None, mode: str | None = None,
-                      truncation: str | None = None) -> Template:
+                      truncation: str | None = None, template: str | None = None) -> Template:
         return Template(tokenizer, max_length=self._option(max_length, "max_length", None),
                         mode=self._option(mode, "mode", "chat"),
-                        truncation=self._option(truncation, "truncation", "right"))
+                        truncation=self._option(truncation, "truncation", "right"),
+                        chat_template=self._option(template, "template", None))
+
+    def _records(self, path: Any, columns: Any, seed: int | None) -> tuple[str, list[Record]]:
+        if is_data_spec(path):
+            records = load_spec(path, columns=columns, seed=0 if seed is None else int(seed), validate=validate_row)
+            return ", ".join(dict.fromkeys(r.source for r in records)), records
+        if isinstance(path, dict):
+            raise ConfigError(f"a data source mapping needs 'path' and only path, weight, columns, split; got "
+                              f"{', '.join(map(repr, path))}")
+        from twinkle_core.data.mixing import map_columns
+
+        records = []
+        for i, row in enumerate(path):
+            try:
+                records.append(Record("<rows>", i + 1, map_columns(row, columns) if columns else row))
+            except RowError as exc:
+                raise DataFormatError("<rows>", i + 1, str(exc)) from None
+        return "<rows>", records
 
     def load_dataset(self, path: Any, tokenizer: Any, *, max_length: int | None = None, mode: str | None = None,
-                     packing: bool | None = None, truncation: str | None = None,
+                     packing: bool | None = None, truncation: str | None = None, template: str | None = None,
+                     columns: dict[str, str] | None = None, seed: int | None = None,
                      **data_options: Any) -> list[InputFeature]:
-        """Read ``path`` (a .jsonl/.json/.parquet/.csv file, or a list of rows) into features.
+        """Read ``path`` (a data spec: a file, directory, data set id or list of sources; or a list of rows)
+        into features.
 
         Bad rows raise :class:`~twinkle_core.errors.DataFormatError` naming the file and line.
         """
         if data_options:
             raise ConfigError(f"unknown data option(s) for causal_lm: {', '.join(sorted(data_options))}; "
-                              "expected max_length, mode, packing, truncation")
+                              "expected max_length, mode, packing, truncation, template, columns, seed")
         packing = bool(self._option(packing, "packing", False))
-        template = self.make_template(tokenizer, max_length=max_length, mode=mode, truncation=truncation)
-        if packing and template.max_length is None:
+        template_ = self.make_template(tokenizer, max_length=max_length, mode=mode, truncation=truncation,
+                                       template=template)
+        if packing and template_.max_length is None:
             raise ConfigError("packing=True needs max_length (the length of a packed row)")
-        self.template = template
-        self.pad_token_id = template.pad_token_id
+        self.template = template_
+        self.pad_token_id = template_.pad_token_id
 
-        if isinstance(path, (str, os.PathLike)):
-            source = os.fspath(path)
-            records = load_records(source)
-        else:
-            source = "<rows>"
-            records = [(i + 1, row) for i, row in enumerate(path)]
+        self._columns = self._option(columns, "columns", None)
+        source, records = self._records(path, self._columns, seed)
         features = []
-        for line, row in records:
-            try:
-                features.append(template.encode(row))
-            except RowError as exc:
-                raise DataFormatError(source, line, str(exc)) from None
+        encoded: dict[int, InputFeature] = {}  # a row repeated by mixing is encoded once
+        for record in records:
+            key = id(record)
+            if key not in encoded:
+                try:
+                    encoded[key] = template_.encode(record.row)
+                except RowError as exc:
+                    raise DataFormatError(record.source, record.line, str(exc)) from None
+            features.append(encoded[key])
+        template = template_
         untrained = sum(1 for f in features if f.num_trained_tokens == 0)
         if features and untrained == len(features) and template.max_length is not None:
             raise DataFormatError(source, None, f"no sample has a trained token left after truncating to "
@@ -162,14 +193,13 @@ class CausalLMTask(Task):
     # ------------------------------------------------------------------ evaluation
     def _eval_examples(self, dataset: Any, template: Template) -> list[tuple[list[int], str]]:
         tokenizer = template.tokenizer
-        if isinstance(dataset, (str, os.PathLike)):
-            source = os.fspath(dataset)
-            records = load_records(source)
+        if is_data_spec(dataset):
+            records = [(r.source, r.line, r.row) for r in load_spec(
+                dataset, columns=getattr(self, "_columns", None) or self.options.get("columns"), validate=validate_row)]
         else:
-            source = "<rows>"
-            records = [(i + 1, row) for i, row in enumerate(dataset)]
+            records = [("<rows>", i + 1, row) for i, row in enumerate(dataset)]
         examples = []
-        for line, row in records:
+        for source, line, row in records:
             if isinstance(row, InputFeature):
                 if row.position_ids is not None:
                     raise ValueError("evaluate needs unpacked samples; load the held-out set with packing=False")

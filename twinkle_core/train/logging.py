@@ -12,15 +12,22 @@ Each line carries ``event`` (``train`` or ``eval``), ``step`` and the values, e.
 Only the main process writes. The file is appended to, so a resumed run continues the same log.
 TensorBoard (``output_dir/tensorboard``) is used when ``tensorboard`` is importable, unless
 ``TWINKLE_TENSORBOARD=0``.
+
+Start-up timing: :class:`StartupTimer` measures where the time before the first optimizer step goes
+(Python start-up, plugin discovery, recipe validation, tokenizer, data, model, the first step ...).
+The loop puts it in the run's summary (``summary["startup"]``, also in ``summary.json``) and logs it
+at debug level (``TWINKLE_LOG_LEVEL=DEBUG twinkle train ...``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +127,81 @@ def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         file = file / LOG_FILE
     with open(file, encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+# ---------------------------------------------------------------------- start-up timing
+def process_age() -> float | None:
+    """Seconds since this process started (from ``/proc``; None where there is none)."""
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        with open("/proc/uptime", "rb") as fh:
+            uptime = float(fh.read().split()[0])
+        return max(uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"), 0.0)  # field 22: start time in ticks
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class StartupTimer:
+    """Wall-clock seconds of the phases before the first optimizer step.
+
+    ``since_process_start=True`` (what ``twinkle train`` uses) counts from the start of the process and
+    records the time before the timer existed as the phase ``python_startup`` (the interpreter and the
+    command's own imports); otherwise the clock starts when the timer is made. A phase entered twice adds up.
+    Besides wall-clock seconds it keeps the CPU seconds of this process in each phase (``cpu``), which a
+    busy machine changes much less.
+    """
+
+    def __init__(self, *, since_process_start: bool = False) -> None:
+        now, cpu = time.perf_counter(), time.process_time()
+        self.phases: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        age = process_age() if since_process_start else None
+        self.origin = now - age if age is not None else now
+        self.cpu_origin = 0.0 if age is not None else cpu
+        if age is not None:
+            self.phases["python_startup"] = age
+            self.cpu["python_startup"] = cpu
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start, time.process_time() - cpu)
+
+    def add(self, name: str, seconds: float, cpu_seconds: float = 0.0) -> None:
+        self.phases[name] = self.phases.get(name, 0.0) + seconds
+        self.cpu[name] = self.cpu.get(name, 0.0) + cpu_seconds
+
+    def report(self) -> dict[str, Any]:
+        """``{"phases": {name: s}, "total_s": s, "cpu": {name: CPU s}, "cpu_total_s": CPU s}``, counted from the
+        origin; the phases sum to at most the totals (the rest went between phases)."""
+        total, cpu_total = time.perf_counter() - self.origin, time.process_time() - self.cpu_origin
+        return {"phases": {name: round(seconds, 4) for name, seconds in self.phases.items()},
+                "total_s": round(total, 4),
+                "cpu": {name: round(seconds, 4) for name, seconds in self.cpu.items()},
+                "cpu_total_s": round(cpu_total, 4)}
+
+    @staticmethod
+    def format(report: dict[str, Any]) -> str:
+        parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in report["phases"].items())
+        return f"{parts}; total {report['total_s']:.2f} s"
+
+
+_pending_timer: StartupTimer | None = None
+
+
+def start_startup_timer(*, since_process_start: bool = True) -> StartupTimer:
+    """Start timing a run's start-up now (the ``twinkle train`` command does); the next trainer takes it over."""
+    global _pending_timer
+    _pending_timer = StartupTimer(since_process_start=since_process_start)
+    return _pending_timer
+
+
+def take_startup_timer() -> StartupTimer:
+    """The timer :func:`start_startup_timer` started (once), or a new one starting now."""
+    global _pending_timer
+    timer, _pending_timer = _pending_timer, None
+    return timer if timer is not None else StartupTimer()

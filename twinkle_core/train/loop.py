@@ -7,8 +7,10 @@ Then, for every optimizer step, ``gradient_accumulation_steps`` micro-batches go
 ``model.forward_backward`` and one ``model.clip_grad_and_step`` applies them. It logs to
 ``output_dir/logs.jsonl`` (and TensorBoard when installed), evaluates every ``eval_every`` steps
 and at the end, writes ``checkpoint-N`` every ``save_every`` steps (keeping ``save_total_limit``)
-and ``final`` at the end. ``resume`` (a checkpoint directory or ``latest``) continues a run
-exactly: weights, optimizer, scheduler, RNG and the data loader's position come back. The optimizer
+and ``final`` at the end. The summary's ``startup`` (also in ``summary.json``) says where the time up to
+the first optimizer step went: wall and CPU seconds per phase (:class:`twinkle_core.train.logging.StartupTimer`;
+``twinkle train`` counts from the start of the process). ``resume`` (a checkpoint directory or ``latest``)
+continues a run exactly: weights, optimizer, scheduler, RNG and the data loader's position come back. The optimizer
 comes back as saved, so a recipe whose ``optimizer.lr`` or ``optimizer.weight_decay`` differs from the
 checkpoint's is refused with a ConfigError rather than silently ignored (the model API has no way yet
 to change them on a resumed optimizer and its schedule).
@@ -80,7 +82,7 @@ from twinkle_core.train.guards import (  # noqa: F401 - MAX_NONFINITE_STEPS, LAB
     TrainingDivergedError,
     bar_friendly_logging,
 )
-from twinkle_core.train.logging import TrainLogger
+from twinkle_core.train.logging import StartupTimer, TrainLogger, take_startup_timer
 from twinkle_core.train.progress import progress_bar, progress_enabled
 from twinkle_core.train.recipe import (
     Recipe,
@@ -185,39 +187,60 @@ class Trainer:
         self.guard = StepGuard(str(recipe.data.train))
         self.checkpoints: list[str] = []
         self.model: Any = None
+        #: where the time before the first optimizer step went (``summary["startup"]``)
+        self.startup_timer: StartupTimer = take_startup_timer()
+        self.startup: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ building
     def build(self) -> None:
-        r = self.recipe
+        r, timer = self.recipe, self.startup_timer
         from twinkle_core.plugins import get_plugins
         from twinkle_core.sources.resolve import resolve_model, trust_remote_code
 
-        plugins = get_plugins()
-        validate_plugin_names(r, plugins)
-        seed_everything(r.train.seed)
+        with timer.phase("plugins"):
+            plugins = get_plugins()
+            validate_plugin_names(r, plugins)
+        with timer.phase("imports"):  # torch, the task and the model class (after validate_components: loaded)
+            seed_everything(r.train.seed)
+            task_cls = plugins.load("task", r.task)
+            self.task = task_cls(**r.task_options)
+            model_cls = plugins.load("model", r.model.class_name)
+        with timer.phase("tokenizer"):
+            self._build_tokenizer(model_cls, trust_remote_code(r.model.trust_remote_code), resolve_model)
+        with timer.phase("data"):
+            self._build_datasets()
+        with timer.phase("model"):
+            self._build_model(model_cls)
+        with timer.phase("setup"):
+            self._build_loader_and_schedule()
 
-        task_cls = plugins.load("task", r.task)
-        self.task = task_cls(**r.task_options)
-
-        model_cls = plugins.load("model", r.model.class_name)
-        trust = trust_remote_code(r.model.trust_remote_code)
+    def _build_tokenizer(self, model_cls: Any, trust: bool, resolve_model: Any) -> None:
+        r = self.recipe
+        self.trust_remote_code = trust
         model_dir = resolve_model(r.model.model_id, revision=r.model.revision) if r.model.model_id else None
         tokenizer_uri = r.model.tokenizer or r.model.model_id
         if tokenizer_uri == r.model.model_id and model_dir is not None:
             tokenizer_dir = model_dir
         else:
             tokenizer_dir = resolve_model(tokenizer_uri)
+        self.model_dir = model_dir
         self.tokenizer = model_cls.load_tokenizer(tokenizer_dir, trust_remote_code=trust)
 
+    def _build_datasets(self) -> None:
+        r = self.recipe
         data_options = dict(r.data.options)
-        for key in ("max_length", "mode", "packing"):
+        for key in ("max_length", "mode", "packing", "template", "columns"):
             value = getattr(r.data, key)
             if value is not None:
                 data_options[key] = value
+        if isinstance(r.data.train, list) or isinstance(r.data.eval, list):  # mixing several sources
+            data_options["seed"] = r.data.seed if r.data.seed is not None else r.train.seed
         self.train_dataset = self.task.load_dataset(r.data.train, self.tokenizer, **data_options)
         self.eval_dataset = (self.task.load_dataset(r.data.eval, self.tokenizer, **data_options)
                              if r.data.eval else None)
 
+    def _build_model(self, model_cls: Any) -> None:
+        r = self.recipe
         mesh = None
         if r.mesh:
             from twinkle_core.mesh import DeviceMesh
@@ -225,7 +248,7 @@ class Trainer:
             mesh = DeviceMesh(**r.mesh)
         self.mesh = mesh
         self.model = model_cls(
-            model_id=model_dir,
+            model_id=self.model_dir,
             config=r.model.config,
             strategy=r.strategy.name,
             strategy_options=dict(r.strategy.options),
@@ -233,7 +256,7 @@ class Trainer:
             precision=r.precision,
             task=self.task,
             tokenizer=self.tokenizer,
-            trust_remote_code=trust,
+            trust_remote_code=self.trust_remote_code,
             attn_implementation=r.model.attn_implementation,
             gradient_checkpointing=r.model.gradient_checkpointing,
             seed=r.train.seed,
@@ -250,6 +273,8 @@ class Trainer:
         model.set_optimizer(r.optimizer.name, adapter_name=name, lr=r.optimizer.lr,
                             weight_decay=r.optimizer.weight_decay, **r.optimizer.options)
 
+    def _build_loader_and_schedule(self) -> None:
+        r, model, name = self.recipe, self.model, self.adapter_name
         self.dp_rank, self.dp_size = self._data_parallel_coords()
         # before any resume: what a task precomputes with the model (reference log-probs) uses its initial weights
         self.train_dataset = self.task.prepare_dataset(model, self.train_dataset, split="train",
@@ -469,14 +494,15 @@ class Trainer:
         r, t = self.recipe, self.recipe.train
         try:
             self.build()
-            self.is_main = distributed.is_main_process()
-            if self.is_main:
-                self.output_dir.mkdir(parents=True, exist_ok=True)
-                import yaml
+            with self.startup_timer.phase("setup"):
+                self.is_main = distributed.is_main_process()
+                if self.is_main:
+                    self.output_dir.mkdir(parents=True, exist_ok=True)
+                    import yaml
 
-                (self.output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(r), sort_keys=False))
-            resumed_from = self._resume()
-            self._mark_boundary()
+                    (self.output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(r), sort_keys=False))
+                resumed_from = self._resume()
+                self._mark_boundary()
         except BaseException:
             if getattr(self, "task", None) is not None:
                 self.task.close()  # what the task started (a PPO critic, sampler threads) also goes on a failed start
@@ -486,8 +512,9 @@ class Trainer:
         ga = t.gradient_accumulation_steps
         eval_enabled = self.eval_dataset is not None or t.evaluate_options is not None
         show_bar = progress_enabled(self.is_main)
-        log = TrainLogger(self.output_dir, enabled=self.is_main)
-        bar = progress_bar(self.total_steps, self.step, enabled=show_bar)
+        with self.startup_timer.phase("setup"):
+            log = TrainLogger(self.output_dir, enabled=self.is_main)
+            bar = progress_bar(self.total_steps, self.step, enabled=show_bar)
         if self.is_main:
             logger.info("training %d optimizer steps (%d micro-batches per epoch per rank, %d accumulated per step)"
                         " from step %d; output in %s", self.total_steps, self.micro_batches_per_epoch, ga,
@@ -500,9 +527,11 @@ class Trainer:
         try:
             with stop, bar_friendly_logging(show_bar):
                 if t.eval_before_training and eval_enabled and self.step == 0:
-                    eval_before = self.evaluate()
-                    log.log("eval", self.step, eval_before)
+                    with self.startup_timer.phase("eval_before"):
+                        eval_before = self.evaluate()
+                        log.log("eval", self.step, eval_before)
                 window = self._new_window()
+                first_step = time.perf_counter(), time.process_time()
                 while self.step < self.total_steps:
                     step_loss, step_labels = 0.0, 0.0
                     for _ in range(ga):
@@ -519,6 +548,8 @@ class Trainer:
                         window["input_tokens"] += _batch_tokens(batch)
                     grad_norm = model.clip_grad_and_step(max_grad_norm=t.max_grad_norm, adapter_name=name)
                     self.step += 1
+                    if self.startup is None:
+                        self._report_startup(first_step)
                     self.task.after_step(model, step=self.step)
                     self._mark_boundary()
                     bar.update(1)
@@ -570,6 +601,7 @@ class Trainer:
             "final_checkpoint": final_path,
             "checkpoints": list(self.checkpoints),
             "wall_time_s": round(time.time() - started, 3),
+            "startup": self.startup,
         }
         if self.is_main:
             import json
@@ -581,6 +613,15 @@ class Trainer:
 
             write_curves(self.output_dir, ["loss", *self.task.curve_keys], title=f"{r.task}: {self.output_dir.name}")
         return summary
+
+    def _report_startup(self, first_step: tuple[float, float]) -> None:
+        """Where the time up to the end of the first optimizer step of this run went (``summary["startup"]``);
+        ``first_step`` is ``(perf_counter, process_time)`` when that step began."""
+        timer = self.startup_timer
+        timer.add("first_step", time.perf_counter() - first_step[0], time.process_time() - first_step[1])
+        self.startup = timer.report()
+        if self.is_main:
+            logger.debug("start-up (s): %s", timer.format(self.startup))
 
     def _check_step(self, stop: StopSignals, finite: bool = True, label_tokens: float | None = None) -> None:
         self.guard.check(stop, step=self.step, total_steps=self.total_steps, finite=finite, label_tokens=label_tokens,

@@ -47,6 +47,7 @@ from typing import Any
 from twinkle_core.data.template import TRUNCATION_SIDES
 from twinkle_core.errors import ConfigError, PluginNotFoundError
 from twinkle_core.mesh import DeviceMesh
+from twinkle_core.optim import check_optimizer_options
 from twinkle_core.options import check_options
 
 __all__ = [
@@ -102,8 +103,14 @@ class StrategyConfig:
 
 @dataclass
 class DataConfig:
-    train: str | None = field(default=None, metadata=_PATH)
-    eval: str | None = field(default=None, metadata=_PATH)
+    #: a file, a data set directory, ``hf://org/name``, or a list of sources (strings or
+    #: ``{path, weight, columns, split}``) concatenated, or mixed by weight (``twinkle_core.data.mixing``)
+    train: str | list[Any] | None = field(default=None, metadata=_PATH)
+    eval: str | list[Any] | None = field(default=None, metadata=_PATH)
+    #: ``{source column: target}`` for every source without its own ``columns``
+    columns: dict[str, str] | None = None
+    #: a chat template: a built-in name (``twinkle_core.data.chat_templates``) or a Jinja file
+    template: str | None = field(default=None, metadata=_PATH)
     max_length: int | None = None
     #: ``chat`` (messages, loss on the assistant turns) or ``pretrain`` (plain text)
     mode: str | None = None
@@ -513,15 +520,27 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path, cls: type = Recipe) -> N
         tp = _unwrap_optional(hints[f.name])
         if dataclasses.is_dataclass(tp) and isinstance(value, dict):
             _resolve_paths(value, base_dir, tp)
-        elif f.metadata.get("path") and isinstance(value, str) and value and "://" not in value:
-            expanded = Path(value).expanduser()
-            if expanded.is_absolute():
-                raw[f.name] = str(expanded)
-                continue
-            candidate = base_dir / expanded
-            explicit = value.startswith(("./", "../", ".\\", "..\\"))
-            if f.metadata["path"] == "always" or explicit or candidate.exists():
-                raw[f.name] = os.path.normpath(str(candidate))
+        elif f.metadata.get("path") and isinstance(value, str):
+            raw[f.name] = _resolve_path(value, base_dir, f.metadata["path"] == "always")
+        elif f.metadata.get("path") and isinstance(value, list):  # data sources: strings or {path: ...}
+            for i, item in enumerate(value):
+                if isinstance(item, str):
+                    value[i] = _resolve_path(item, base_dir, False)
+                elif isinstance(item, dict) and isinstance(item.get("path"), str):
+                    item["path"] = _resolve_path(item["path"], base_dir, False)
+
+
+def _resolve_path(value: str, base_dir: Path, always: bool) -> str:
+    if not value or "://" in value:
+        return value
+    expanded = Path(value).expanduser()
+    if expanded.is_absolute():
+        return str(expanded)
+    candidate = base_dir / expanded
+    explicit = value.startswith(("./", "../", ".\\", "..\\"))
+    if always or explicit or candidate.exists():
+        return os.path.normpath(str(candidate))
+    return value
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -640,9 +659,12 @@ def check_paths(recipe: Recipe) -> None:
     ``data.train`` / ``data.eval`` are files; ``model.model_id`` / ``model.tokenizer`` are checked only when they
     are local paths (absolute, or written ``./`` / ``~``): a bare ``org/name`` is a hub id, resolved later."""
     problems = []
-    for key, value in (("data.train", recipe.data.train), ("data.eval", recipe.data.eval)):
-        if isinstance(value, str) and "://" not in value and not os.path.exists(os.path.expanduser(value)):
-            problems.append(f"{key}: {value!r} does not exist")
+    for key, spec in (("data.train", recipe.data.train), ("data.eval", recipe.data.eval)):
+        items = [(key, spec)] if not isinstance(spec, list) else [
+            (f"{key}[{i}]", item.get("path") if isinstance(item, dict) else item) for i, item in enumerate(spec)]
+        for where, value in items:
+            if isinstance(value, str) and "://" not in value and not os.path.exists(os.path.expanduser(value)):
+                problems.append(f"{where}: {value!r} does not exist")
     for key, value in (("model.model_id", recipe.model.model_id), ("model.tokenizer", recipe.model.tokenizer)):
         if not isinstance(value, str) or "://" in value:
             continue
@@ -685,16 +707,37 @@ def validate_components(recipe: Recipe, plugins: Any = None) -> None:
     check_compatible(model_cls, strategy_cls, DeviceMesh(**recipe.mesh) if recipe.mesh else None,
                      strategy_name=recipe.strategy.name)
     _check_loss_options(recipe, task, plugins)
-    check_options(plugins.load("optimizer", recipe.optimizer.name), recipe.optimizer.options,
-                  where="optimizer.options", positional=1,  # the parameters
-                  provided={"lr": "optimizer.lr", "weight_decay": "optimizer.weight_decay"})
+    check_optimizer_options(plugins.load("optimizer", recipe.optimizer.name), recipe.optimizer.options)
     check_options(plugins.load("scheduler", recipe.lr_scheduler.name), recipe.lr_scheduler.options,
                   where="lr_scheduler.options", positional=1,  # the optimizer
                   provided={"num_training_steps": "train.max_steps", "num_warmup_steps": "lr_scheduler.warmup_steps"})
     check_options(task.load_dataset, recipe.data.options, where="data.options", positional=2,  # path, tokenizer
-                  provided={key: f"data.{key}" for key in ("max_length", "mode", "packing")})
+                  provided={key: f"data.{key}" for key in ("max_length", "mode", "packing", "template", "columns")})
+    _check_data_spec(recipe, task)
     if recipe.train.evaluate_options is not None:  # after model, dataset, tokenizer
         check_options(task.evaluate, recipe.train.evaluate_options, where="train.evaluate_options", positional=3)
+
+
+def _check_data_spec(recipe: Recipe, task: Any) -> None:
+    """Source lists, ``data.columns`` and ``data.template`` are well-formed and the task takes them."""
+    from twinkle_core.data.chat_templates import resolve_chat_template
+    from twinkle_core.data.mixing import parse_sources
+    from twinkle_core.options import accepted_options
+
+    accepted = accepted_options(task.load_dataset, positional=2)
+    for key in ("template", "columns"):
+        if getattr(recipe.data, key) is not None and key not in accepted.names and not accepted.open:
+            raise ConfigError(f"data.{key}: the task {recipe.task!r} does not take it (its load_dataset has no "
+                              f"'{key}' option)")
+    for key in ("train", "eval"):
+        spec = getattr(recipe.data, key)
+        if spec is not None:
+            parse_sources(spec, columns=recipe.data.columns, where=f"data.{key}")
+            if isinstance(spec, list) and "seed" not in accepted.names and not accepted.open:
+                raise ConfigError(f"data.{key}: the task {recipe.task!r} reads one data file; it cannot mix a list "
+                                  "of sources")
+    if recipe.data.template is not None:
+        resolve_chat_template(recipe.data.template)
 
 
 def _check_loss_options(recipe: Recipe, task: Any, plugins: Any) -> None:
