@@ -121,6 +121,12 @@ class Template:
             return []
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def _tokenize_all(self, texts: list[str]) -> list[list[int]]:
+        """:meth:`_tokenize` of each text, in one batched call."""
+        present = [t for t in texts if t]
+        encoded = iter(self.tokenizer(present, add_special_tokens=False)["input_ids"] if present else [])
+        return [list(next(encoded)) if t else [] for t in texts]
+
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = False,
                tools: Any = None) -> str:
         """The chat template's text for ``messages``."""
@@ -199,7 +205,7 @@ class Template:
             if message["role"] != "assistant":
                 continue
             prompt = self.render(messages[:i], add_generation_prompt=True, tools=tools)
-            turn = self.render(messages[: i + 1], tools=tools)
+            turn = full if i == len(messages) - 1 else self.render(messages[: i + 1], tools=tools)
             if not full.startswith(prompt):
                 raise TemplateError(
                     f"the chat template is not prefix-stable: the prompt for assistant message {i} (the earlier "
@@ -230,14 +236,16 @@ class Template:
 
     def encode_chat(self, trajectory: Trajectory) -> InputFeature:
         full, spans = self.assistant_spans(trajectory)
+        # every piece (context, answer, ..., tail) is tokenised on its own, all in one call to the tokenizer
+        bounds = [0, *(edge for span in spans for edge in span), len(full)]
+        pieces = iter(self._tokenize_all([full[a:b] for a, b in zip(bounds, bounds[1:])]))
         input_ids: list[int] = []
         labels: list[int] = []
-        cursor = 0
-        for start, end in spans:
-            context = self._tokenize(full[cursor:start])
+        for _ in spans:
+            context = next(pieces)
             input_ids += context
             labels += [IGNORE_INDEX] * len(context)
-            answer = self._tokenize(full[start:end])
+            answer = next(pieces)
             cut = len(answer)
             for j in range(len(answer) - 1, -1, -1):
                 if answer[j] in self.end_of_turn_ids:
@@ -245,8 +253,7 @@ class Template:
                     break
             input_ids += answer
             labels += answer[:cut] + [IGNORE_INDEX] * (len(answer) - cut)
-            cursor = end
-        tail = self._tokenize(full[cursor:])
+        tail = next(pieces)
         input_ids += tail
         labels += [IGNORE_INDEX] * len(tail)
         return self._finish(input_ids, labels, self._scalar_extra(trajectory.extra))
