@@ -99,27 +99,6 @@ def best_ms(fn: Any, inner: int = 5, repeats: int = 5) -> float:
     return min(out)
 
 
-def multi_lora_bookkeeping(model: Any, names: list[str]) -> dict[str, float]:
-    """Per-call cost (ms, best of 5) of the Python work around one tenant's step, with all tenants loaded:
-
-    * ``adapter_parameters``: ``_parameters(tenant)`` -> ``adapters.parameter_names`` (walks and splits every
-      parameter name of the PEFT model); called 3x per optimizer step (normalise, clip, zero_grad);
-    * ``module_train``: ``wrapped.train()`` in every ``forward`` (walks every module, all tenants' included);
-    * ``switch_tenant``: ``adapters.activate`` to another tenant (PEFT ``set_adapter``: walks every module).
-    """
-    from twinkle_backend_hf import adapters
-
-    a, b = names[0], names[-1]
-    costs = {"adapter_parameters": best_ms(lambda: model._parameters(a)),
-             "module_train": best_ms(lambda: model.wrapped.train()),
-             "switch_tenant": best_ms(lambda: (adapters.activate(model.module, b), adapters.activate(model.module, a)))
-             / 2,
-             "modules": sum(1 for _ in model.module.modules()),
-             "named_parameters": sum(1 for _ in model.module.named_parameters())}
-    costs["per_tenant_step"] = 3 * costs["adapter_parameters"] + costs["module_train"] + costs["switch_tenant"]
-    return costs
-
-
 # ---------------------------------------------------------------------- scenarios (child process)
 def run_scenario(name: str, spec: dict[str, Any], tenants: int, batch_size: int, seq_len: int,
                  seed: int) -> dict[str, Any]:
@@ -161,7 +140,6 @@ def run_scenario(name: str, spec: dict[str, Any], tenants: int, batch_size: int,
         out["adapter_params_per_tenant"] = per_tenant[0]
         out["adapter_bytes_per_tenant"] = 4 * per_tenant[0]
         out["trainable_requires_grad_after"] = sum(p.numel() for p in model.module.parameters() if p.requires_grad)
-        out["bookkeeping_ms"] = multi_lora_bookkeeping(model, names)
     elif name in ("full_1", "full_n"):
         for _ in range(1 if name == "full_1" else tenants):
             model = TransformersModel(config=dict(spec), seed=seed, task=CausalLMTask())
@@ -298,12 +276,7 @@ def main() -> None:
                             "peak RSS MiB", "peak RSS above baseline MiB"], rows))
     print(C.markdown_table(["ratio", "value"], [[k, f"{v:.3f}"] for k, v in ratios.items()]))
     print(f"extra tracked memory per tenant: {mib(extra_per_tenant_tracked)} MiB")
-    bk = ml.get("bookkeeping_ms")
-    if bk:
-        print(f"multi-LoRA bookkeeping with {n} tenants ({bk['modules']} modules, {bk['named_parameters']} parameters):"
-              f" _parameters(tenant) {bk['adapter_parameters']:.2f} ms (x3 per step), wrapped.train() "
-              f"{bk['module_train']:.2f} ms, tenant switch {bk['switch_tenant']:.2f} ms -> "
-              f"{bk['per_tenant_step']:.1f} ms per tenant step")
+    print("per-tenant-step bookkeeping (switching, mode, parameter lists): bench/multi_tenant_switch.py (f)")
     print(mon.short())
     print(f"wrote {path}")
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import _common as C
 
-SCRIPTS = ("step_time", "mfu", "throughput_vs_trainer", "multi_lora_memory", "sampler")  # mfu reads step_time's result
+SCRIPTS = ("step_time", "mfu", "throughput_vs_trainer", "multi_lora_memory", "large_vocab_memory", "sampler",
+           "megatron_vs_ddp", "first_step", "multi_tenant_switch")  # mfu reads step_time's result
 
 
 def load(name: str, out_dir: Path) -> dict | None:
@@ -113,6 +114,64 @@ def combined_table(out_dir: Path) -> str:
                      f"{q['full_n_over_multi_lora_tracked']:.1f}x", "-", "-",
                      f"peak RSS {mib(sc['full_n']['max_rss_bytes'])} ({q['full_n_over_multi_lora_max_rss']:.2f}x; "
                      f"{n} processes {q['n_processes_full_1_over_multi_lora_max_rss']:.1f}x)", load_text(r)])
+    r = load("large_vocab_memory", out_dir)
+    if r:
+        c, ratio = r["contenders"], r["peak_ratio_vs_trainer"]
+        mib = lambda name: f"{c[name]['peak_above_baseline_mib']:,.0f} MiB"  # noqa: E731
+        rows.append([f"(e) peak memory, vocab {r['settings']['vocab_size']:,}, {r['settings']['batch_size']}x"
+                     f"{r['settings']['seq_len']} tokens fp32", mib("twinkle"), f"Trainer {mib('trainer')}",
+                     f"{ratio['twinkle']:.2f}", "≤ 0.6", yes(r["meets_targets"]["memory"]),
+                     f"chunked CE over logits {mib('twinkle_chunked')} ({ratio['twinkle_chunked']:.2f}), plain CE "
+                     f"{mib('twinkle_logits')} ({ratio['twinkle_logits']:.2f}), hand loop {mib('hand')} "
+                     f"({ratio['hand']:.2f}); loss gap {r['max_first_loss_gap_vs_hand']:.1e}; step time vs hand "
+                     f"{r['twinkle_step_time_ratio_vs_hand']:.3f} (≤ 1.05 {yes(r['meets_targets']['step_time'])})",
+                     load_text(r)])
+    r = load("multi_tenant_switch", out_dir)
+    if r:
+        bk, bw, st, b = r["bookkeeping_ms"], r["bookkeeping_wall_ms"], r["step_ms"], r["breakdown_ms"]
+        rows.append(["(f) multi-tenant bookkeeping, ms per tenant step", f"{bk['median']:.2f}",
+                     f"tenant step {st['median']:.0f}", f"{100 * r['bookkeeping_share_of_step']:.2f}% of the step",
+                     "≤ 1 ms", yes(r["meets_target"]),
+                     f"CPU time (wall {bw['median']:.2f}); {r['settings']['tenants']} tenants switching every step; "
+                     f"switch {b['switch_tenant']:.3f} ms", load_text(r)])
+    r = load("first_step", out_dir)
+    if r:
+        res = r["result"]
+        cpu = {k: v["median"] for k, v in res["phases_cpu_s"].items()}
+        floor = r.get("outside", {}).get("import torch + transformers + AutoTokenizer + Qwen2 modeling")
+        split = ", ".join(f"{k} {v:.2f}" for k, v in cpu.items() if k not in ("first_step", "eval_before"))
+        rows.append(["(g) time to first step, s", f"{res['before_first_step_s']['median']:.2f}",
+                     f"its imports alone {floor['cpu_s']['median']:.2f} s CPU" if floor else "-",
+                     f"CPU {res['before_first_step_cpu_s']['median']:.2f} s", "≤ 3 s", yes(r["meets_target"]),
+                     f"quickstart, CPU s: {split}; first step {cpu.get('first_step', 0.0):.2f}"
+                     + (f"; recipe's eval before training +{r['recipe_as_is']['startup']['phases']['eval_before']:.1f} s"
+                        if r.get("recipe_as_is") else ""), load_text(r)])
+    r = load("megatron_vs_ddp", out_dir)
+    if r:
+        res, st = r["result"], r["settings"]
+        pr, w = res["paired_ratio"], res["where_time_goes"]
+        share = lambda n: f"{100 * w[n]['comm_share']:.0f}% ({100 * w[n]['exposed_comm_share']:.0f}% exposed)"  # noqa: E731
+        rows.append(["(h) Megatron TP=2 vs DDP, ms/step", f"{res['megatron_ms']['median']:.1f}",
+                     f"DDP {res['ddp_ms']['median']:.1f}", f"{pr['median']:.3f} [{pr['p25']:.3f}-{pr['p75']:.3f}]",
+                     "≤ 1.2", yes(r["meets_target"]),
+                     f"comm share Megatron {share('megatron')}, DDP {share('ddp')}; {st['batch_size']}x"
+                     f"{st['seq_len']} tokens, 2 ranks x {st['threads_per_rank']} thr; max |loss diff| "
+                     f"{res['max_abs_loss_diff']:.1e}", load_text(r)])
+    r = load("gpu_check", out_dir)  # not run by this script (needs a GPU): shown when its result is there
+    if r:
+        runs, st = r["runs"], r["settings"]
+        tw, tr = runs.get("twinkle", {}), runs.get("trainer", {})
+        q = r.get("ratio_tokens_per_s_twinkle_over_trainer")
+        mfu = tw.get("mfu")
+        rows.append([f"(6) GPU check{' (smoke, CPU)' if st['smoke'] else ''}, tokens/s",
+                     f"{tw['tokens_per_s']:,.0f}" if "tokens_per_s" in tw else "-",
+                     f"Trainer {tr['tokens_per_s']:,.0f}" if "tokens_per_s" in tr else "-",
+                     f"{q:.3f}" if q is not None else "-", "≥ 1.05; MFU ≥ 45%",
+                     "-" if mfu is None else yes(bool(r["meets_targets"]["ratio"]) and r["meets_targets"]["mfu"]),
+                     f"{st['device_name'] or st['device']}, {st['attn_implementation']}, MFU "
+                     + (f"{100 * mfu:.1f}%" if mfu is not None else "null")
+                     + (f", peak mem {tw['peak_memory_bytes'] / 2**30:.1f} vs {tr['peak_memory_bytes'] / 2**30:.1f} GiB"
+                        if tw.get("peak_memory_bytes") and tr.get("peak_memory_bytes") else ""), load_text(r)])
     r = load("sampler", out_dir)
     if r:
         for mode, res in r["result"].items():
