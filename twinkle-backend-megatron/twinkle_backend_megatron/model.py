@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from twinkle_backend_megatron import convert, recompute
+from twinkle_backend_megatron import convert, padding, recompute
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
 from twinkle_core.loss.base import LossOutput
 from twinkle_core.model.base import TwinkleModel
@@ -205,6 +205,7 @@ class MegatronModel(TorchTwinkleModel):
             _mark_tensor_parallel(chunk)
             chunks.append(chunk)
         module: torch.nn.Module = chunks[0] if vpp == 1 else torch.nn.ModuleList(chunks)
+        padding.block_padding_gradient(module, getattr(self.hf_config, "pad_token_id", None))
         self.module = module  # the weight helpers below walk self.module
         if init_state is not None:
             fused = any(k.endswith("mlp.experts.gate_up_proj") for k in init_state)
