@@ -128,6 +128,15 @@ class GenerationModule:
     lockstep: bool = False
 
 
+def forward_keywords(module: Any) -> tuple[str, bool]:
+    """How a Hugging Face-style causal LM's ``forward`` takes a KV cache, and whether it takes ``logits_to_keep``:
+    transformers 5 renamed ``past_key_values`` to ``cache`` (the old name warns, then goes away)."""
+    import inspect
+
+    accepted = inspect.signature(getattr(module, "get_base_model", lambda: module)().forward).parameters
+    return ("cache" if "cache" in accepted else "past_key_values"), "logits_to_keep" in accepted
+
+
 def sample_seed(base: int, *parts: int) -> int:
     """A 63-bit seed from ``base`` and integer coordinates (rollout, prompt index, sample index).
 

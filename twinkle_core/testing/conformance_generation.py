@@ -13,7 +13,6 @@ imports this one (to inherit the tests).
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,13 +35,6 @@ def _lent_module(model: Any, adapter_name: str | None = None) -> Iterator[Any]:
         yield gen
 
 
-def _cache_key(module: Any) -> str:
-    """The keyword that takes the KV cache: transformers 5 renamed ``past_key_values`` to ``cache``."""
-    base = getattr(module, "get_base_model", lambda: module)()
-    accepted = inspect.signature(base.forward).parameters
-    return "cache" if "cache" in accepted else "past_key_values"
-
-
 def _field(out: Any, *names: str) -> Any:
     """The first present field of a forward's output: a Hugging Face ``ModelOutput`` (both a mapping and an
     object) or a plain dict."""
@@ -60,7 +52,9 @@ def _decode_logits(gen: Any, input_ids: Any) -> Any:
 
     ids = input_ids.to(gen.device)
     rows, length = ids.shape
-    key = _cache_key(gen.module)
+    from twinkle_core.sampling import forward_keywords
+
+    key, _ = forward_keywords(gen.module)
     mask = torch.ones_like(ids)
     positions = torch.arange(length, device=ids.device).expand(rows, length)
     out = gen.module(input_ids=ids[:, :PREFILL_TOKENS], attention_mask=mask[:, :PREFILL_TOKENS],

@@ -18,7 +18,6 @@ completion alone, in any batch and on any number of ranks (up to float rounding 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +25,14 @@ from typing import Any
 import torch
 
 from twinkle_core.errors import ConfigError
-from twinkle_core.sampling import Completion, GenerationModule, Sampler, SamplingParams, WeightUpdate
+from twinkle_core.sampling import (
+    Completion,
+    GenerationModule,
+    Sampler,
+    SamplingParams,
+    WeightUpdate,
+    forward_keywords,
+)
 from twinkle_rl.samplers.processing import choose_tokens, process_logits
 
 
@@ -214,11 +220,9 @@ class _Decoder:
             self.pad_id = min(eos_ids) if eos_ids else 0
         self.collective = bool(gen.lockstep and dist.is_available() and dist.is_initialized()
                                and dist.get_world_size() > 1)
-        accepted = inspect.signature(getattr(gen.module, "get_base_model", lambda: gen.module)().forward).parameters
+        self.cache_key, keeps_logits = forward_keywords(gen.module)
         # only the last position's logits are needed: skip the [rows, length, vocab] prefill logits
-        self.extra = {"logits_to_keep": 1} if "logits_to_keep" in accepted else {}
-        # transformers 5 renamed past_key_values to cache (the old name warns, then goes away)
-        self.cache_key = "cache" if "cache" in accepted else "past_key_values"
+        self.extra = {"logits_to_keep": 1} if keeps_logits else {}
 
     def agree_max(self, value: int) -> int:
         """``value``, or in lockstep its maximum over all ranks."""
