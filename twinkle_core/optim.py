@@ -88,7 +88,10 @@ def _dtensor_has_fused(optimizer_cls: type, parameters: list[Any]) -> bool:
 def implementation_options(optimizer_cls: type, parameters: list[Any], implementation: str,
                            options: dict[str, Any]) -> dict[str, Any]:
     """The ``fused`` / ``foreach`` keyword arguments that select ``implementation`` for these parameters."""
-    from torch.optim.optimizer import _get_foreach_kernels_supported_devices, _get_fused_kernels_supported_devices
+    from torch.optim.optimizer import (
+        _get_foreach_kernels_supported_devices,
+        _get_fused_kernels_supported_devices,
+    )
 
     kernels = check_implementation(optimizer_cls, implementation, options)
     if not kernels or any(options.get(name) is not None for name in ("fused", "foreach")):

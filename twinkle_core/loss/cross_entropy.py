@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from twinkle_core.loss._common import check_reduction
 from twinkle_core.errors import ConfigError
+from twinkle_core.loss._common import check_reduction
 from twinkle_core.loss.base import Loss, LossContext, LossOutput
 from twinkle_core.loss.fused_head import linear_cross_entropy
 from twinkle_core.loss.logprobs import (
