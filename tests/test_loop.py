@@ -627,6 +627,14 @@ def test_eval_loss_only_without_evaluate_options(tmp_path):
     assert not hasattr(model().kwargs["task"], "evaluated")
 
 
+def test_evaluate_options_without_a_held_out_set_skip_evaluation_with_a_warning(tmp_path, caplog):
+    # `twinkle train recipe.yaml data.eval=null` on a recipe with evaluate_options must still train
+    summary = run(make_recipe(tmp_path, train={"max_steps": 2, "eval_before_training": True,
+                                               "evaluate_options": {"max_new_tokens": 3}}))
+    assert summary["steps"] == 2 and not hasattr(model().kwargs["task"], "evaluated")
+    assert "data.eval is not" in caplog.text
+
+
 def test_resume_latest_without_checkpoint_starts_fresh(tmp_path):
     summary = run(make_recipe(tmp_path, train={"max_steps": 2}), resume="latest")
     assert summary["resumed_from"] is None and summary["steps"] == 2

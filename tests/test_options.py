@@ -141,7 +141,7 @@ def test_a_valid_recipe_passes(plugins):
     ({"loss": {"options": {"label_smothing": 0.1}}}, "did you mean loss.options.label_smoothing?"),
     ({"data": {"train": "/d", "options": {"truncaton": "left"}}}, "did you mean data.options.truncation?"),
     ({"mesh": {"tp": 2}}, "strategy 'single' implements only the mesh dimension(s) none (one process); this mesh has tp=2"),
-    ({"model": {"class_name": "MegatronOnlyModel", "model_id": "/m"}},
+    ({"model": {"class_name": "MegatronOnlyModel", "model_id": "/m"}, "strategy": "single"},
      "MegatronOnlyModel runs on the 'megatron' strategy only; got strategy 'single'"),
 ])
 def test_bad_options_and_combinations_fail_before_anything_is_built(plugins, sections, message):

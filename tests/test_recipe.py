@@ -36,7 +36,7 @@ def test_defaults():
     assert recipe.task == "causal_lm"
     assert recipe.model.class_name == "TransformersModel"
     assert recipe.model.trust_remote_code is None
-    assert recipe.strategy.name == "single" and recipe.precision == "no"
+    assert recipe.strategy.name is None and recipe.precision == "no"  # None: twinkle_core.mesh.default_strategy
     assert recipe.optimizer.name == "AdamW" and recipe.lr_scheduler.name == "cosine"
     assert recipe.train.gradient_accumulation_steps == 1 and recipe.train.max_grad_norm == 1.0
     assert recipe.train.evaluate_options is None

@@ -13,6 +13,7 @@ from twinkle_core.records import (
     SourceRecord,
     StrategyRecord,
     TaskRecord,
+    TrackerRecord,
 )
 from twinkle_core.sources.base import split_uri
 
@@ -86,3 +87,12 @@ def twinkle_register_schedulers():
 def twinkle_register_metrics():
     yield MetricRecord("loss", "twinkle_core.metrics:LossMetric")
     yield MetricRecord("accuracy", "twinkle_core.metrics:TokenAccuracy")
+
+
+@hookimpl
+def twinkle_register_trackers():
+    yield TrackerRecord("tensorboard", "twinkle_core.trackers.tensorboard:TensorBoardTracker",
+                        "TensorBoard scalars in output_dir/tensorboard (pip install tensorboard)")
+    yield TrackerRecord("wandb", "twinkle_core.trackers.wandb:WandbTracker", "Weights & Biases (pip install wandb)")
+    yield TrackerRecord("mlflow", "twinkle_core.trackers.mlflow:MLflowTracker", "MLflow (pip install mlflow)")
+    yield TrackerRecord("swanlab", "twinkle_core.trackers.swanlab:SwanLabTracker", "SwanLab (pip install swanlab)")

@@ -53,6 +53,9 @@ EXTRAS: dict[str, str] = {
     "tensorboard": "pip install tensorboard",
     "matplotlib": "pip install matplotlib",
     "torchao": "pip install torchao",
+    "wandb": "pip install wandb",
+    "mlflow": "pip install mlflow",
+    "swanlab": "pip install swanlab",
 }
 
 
@@ -81,6 +84,12 @@ ALIASES: dict[tuple[str, str], str] = {
     ("strategy", "zero2"): "deepspeed",
     ("strategy", "zero3"): "deepspeed",
     ("loss", "ce"): "cross_entropy",
+    ("tracker", "tb"): "tensorboard",
+    ("tracker", "tensorboardx"): "tensorboard",
+    ("tracker", "weights_and_biases"): "wandb",
+    ("tracker", "weightsandbiases"): "wandb",
+    ("tracker", "ml_flow"): "mlflow",
+    ("tracker", "swan"): "swanlab",
 }
 
 _PLURALS = {"strategy": "strategies", "loss": "losses", "conformance": "conformance targets"}

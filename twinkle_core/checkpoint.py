@@ -161,6 +161,22 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MARKER))
 
 
+def verify_on_main(path: str | os.PathLike[str], is_main: bool) -> None:
+    """:func:`verify_checkpoint` on the main process only; every rank raises the same :class:`CheckpointError`
+    (the main process reads every file once, the other ranks get its verdict instead of rereading it all)."""
+    from twinkle_core import distributed
+
+    problem = None
+    if is_main:
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as exc:
+            problem = str(exc)
+    problem = distributed.broadcast_object(problem)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
 def verify_checkpoint(path: str | os.PathLike[str]) -> None:
     """Raise :class:`CheckpointError` naming the first missing, short or corrupt file of the checkpoint at ``path``.
 

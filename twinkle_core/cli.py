@@ -4,7 +4,12 @@
 
     twinkle --version
     twinkle plugins [--json]
-    twinkle train RECIPE.yaml [key.path=value ...] [--resume PATH|latest] [--dry-run]
+    twinkle chat CHECKPOINT [--prompt TEXT] [--system TEXT] [--temperature T] [--top-p P] [--max-new-tokens N]
+    twinkle export CHECKPOINT --output DIR [--merge-lora] [--max-shard-size 2GB] [--push-to-hub REPO_ID]
+    twinkle eval CHECKPOINT [DATA] [--output results.json] [--tasks NAME,...]
+    twinkle plot logs.jsonl [--output curves.png]
+    twinkle train RECIPE.yaml [key.path=value ...] [--resume PATH|latest] [--resume-weights-only PATH|latest]
+                  [--dry-run]
                   [--nproc-per-node N] [--nnodes N] [--node-rank R] [--master-addr A] [--master-port P]
 
 ``twinkle train`` validates the recipe (keys, types, plugin names, local files, options and adapter keys) before
@@ -14,7 +19,8 @@ whose workers run ``python -m twinkle_core.cli train RECIPE ...`` without the la
 otherwise it trains in this process.
 
 ``twinkle --help`` and ``twinkle plugins`` import neither torch nor any backend: heavy modules are
-imported inside the ``train`` command only.
+imported inside the ``train`` command only; the same holds for ``chat``, ``export``, ``eval`` and ``plot``
+(``twinkle_core/commands/``), which import them when they run.
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
     p_train.add_argument("--resume", metavar="PATH|latest",
                          help="continue from a checkpoint directory, or the newest one under train.output_dir")
+    p_train.add_argument("--resume-weights-only", metavar="PATH|latest", default=None,
+                         help="start a new run (step 0, fresh optimizer, schedule and data order) from a checkpoint's "
+                              "weights (and adapter); works at any world size, batch size or strategy")
     p_train.add_argument("--dry-run", action="store_true",
                          help="validate the recipe (keys, plugin names, local files, component options, adapter "
                               "keys, model / strategy / mesh), print it resolved, and exit without training")
@@ -73,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address of the rank-0 node (default 127.0.0.1)")
     launch.add_argument("--master-port", "--master_port", type=int, default=None, metavar="PORT",
                         help="port of the rank-0 node (default: a free port on one node, 29500 on several)")
+    from twinkle_core import commands  # chat, export, eval, plot: their parsers import nothing heavy
+
+    commands.add_parsers(sub)
     return parser
 
 
@@ -178,6 +190,8 @@ def torchrun_argv(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     argv += ["-m", "twinkle_core.cli", "train", os.path.abspath(args.recipe), *overrides]
     if args.resume:
         argv += ["--resume", args.resume]
+    if getattr(args, "resume_weights_only", None):
+        argv += ["--resume-weights-only", args.resume_weights_only]
     return argv
 
 
@@ -215,6 +229,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         recipe = load_recipe(args.recipe, overrides)
         if args.resume:
             recipe.train.resume = args.resume
+        if args.resume_weights_only and recipe.train.resume:
+            raise ConfigError("--resume-weights-only starts a new run from a checkpoint's weights; it cannot be "
+                              "combined with --resume / train.resume, which continue a run exactly")
     with timer.phase("plugins"):  # discovery: reads the registry, imports no component
         validate_plugin_names(recipe)
     with timer.phase("recipe"):
@@ -227,7 +244,8 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     # imports torch and the backend: option typos, a wrong adapter key and an impossible model / strategy / mesh
     # fail here once, instead of on every rank after torchrun started (and a dry run checks all of it)
     with timer.phase("validate"):
-        validate_components(recipe)
+        # the world the default strategy is chosen for: the job about to be launched, else this process's WORLD_SIZE
+        validate_components(recipe, world_size=args.nproc_per_node * args.nnodes if launching else None)
     if args.dry_run:
         import yaml
 
@@ -250,7 +268,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from twinkle_core.train.loop import train
 
-    summary = train(recipe)
+    summary = train(recipe, resume_weights_only=args.resume_weights_only)
     if int(os.environ.get("RANK", "0")) == 0:
         metrics = summary.get("train_metrics") or {}
         evals = summary.get("eval_after") or {}
@@ -283,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plugins":
             return cmd_plugins(args)
+        if args.command != "train":
+            from twinkle_core import commands
+
+            return commands.run(args)
         return cmd_train(args, overrides)
     except KeyboardInterrupt:
         print("twinkle: interrupted (an interrupted checkpoint was saved if training had made progress; "

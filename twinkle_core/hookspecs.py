@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         SourceRecord,
         StrategyRecord,
         TaskRecord,
+        TrackerRecord,
     )
 
 PROJECT_NAME = "twinkle"
@@ -221,6 +222,23 @@ def twinkle_register_rewards() -> Iterable[RewardRecord]:
         @hookimpl
         def twinkle_register_rewards():
             yield RewardRecord("json_valid", "my_pkg.rewards:json_valid")
+    """
+
+
+@hookspec
+def twinkle_register_trackers() -> Iterable[TrackerRecord]:
+    """Register experiment trackers by name for ``train.report_to`` in a recipe.
+
+    ``impl`` is a :class:`twinkle_core.trackers.Tracker` subclass, constructed with the recipe's
+    ``train.tracker_options[name]``; it runs on the main process only. Import the tracking library
+    inside its methods (not at module level) and list it in ``requires`` so a missing install is
+    reported when the recipe is validated.
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_trackers():
+            yield TrackerRecord("comet", "my_pkg.tracking:CometTracker", "Comet ML (pip install comet_ml)")
     """
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
+from collections.abc import Mapping, MutableMapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from twinkle_core.errors import ConfigError
 
@@ -13,6 +16,15 @@ RANK_DIMENSIONS = ("dp", "fsdp", "tp", "pp", "cp", "sp")
 #: every parallel dimension; ``ep`` is carved out of the data-parallel ranks, ``vpp`` splits pipeline stages
 DIMENSIONS = (*RANK_DIMENSIONS, "ep")
 ALL_DIMENSIONS = (*DIMENSIONS, "vpp")
+
+#: the sizes under the names the spec writes them: ``tp_size=2`` is ``mesh={"tp": 2}``, exactly;
+#: ``sequence_parallel=2`` is ``mesh={"sp": 2}`` (Ulysses: each sequence split over 2 ranks)
+SPEC_KEYS: dict[str, str] = {**{f"{dim}_size": dim for dim in ALL_DIMENSIONS}, "sequence_parallel": "sp"}
+
+#: the strategy a job gets when it names none: one process needs no wrapper; more than one get the
+#: spec's default, Accelerate-managed FSDP (a model class that runs on one strategy only gets that one)
+DEFAULT_STRATEGY_ONE_PROCESS = "single"
+DEFAULT_STRATEGY_DISTRIBUTED = "accelerate"
 
 
 @dataclass(frozen=True)
@@ -25,6 +37,10 @@ class DeviceMesh:
 
     ``dp * fsdp * tp * pp * cp * sp`` must equal the world size; ``ep`` must divide the
     data-parallel size. ``DeviceMesh.infer(world_size, tp=2)`` fills ``dp`` from the rest.
+
+    The spec's names for the sizes (:data:`SPEC_KEYS`: ``tp_size``, ``pp_size``, ``dp_size``, ``ep_size``,
+    ``sequence_parallel`` for ``sp``, and ``<dim>_size`` for every other dimension) mean exactly these fields;
+    model constructors, ``DeviceMesh.infer`` and recipes accept them.
     """
 
     dp: int = 1
@@ -73,6 +89,10 @@ class DeviceMesh:
     def infer(cls, world_size: int | None = None, **sizes: int) -> DeviceMesh:
         """Build a mesh whose unspecified data-parallel size absorbs the remaining ranks."""
         world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        spec, flag = pop_spec_sizes(sizes)  # the spec's names: infer(world, tp_size=2) is infer(world, tp=2)
+        if flag is not None:
+            raise ConfigError("sequence_parallel=True/False is not a mesh size; give sequence_parallel=N (mesh sp=N)")
+        sizes = merge_spec_sizes(sizes, spec)
         unknown = set(sizes) - set(ALL_DIMENSIONS)
         if unknown:
             raise ConfigError(f"unknown mesh dimension(s) {sorted(unknown)}; known: {', '.join(ALL_DIMENSIONS)}")
@@ -85,3 +105,70 @@ class DeviceMesh:
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+def default_strategy(model_cls: type | None = None, world_size: int | None = None) -> str:
+    """The strategy used when none is given (the one place this is decided).
+
+    * a model class that declares ``supported_strategies`` gets the first of them (``MegatronModel``: ``megatron``);
+    * one process (``WORLD_SIZE`` unset or 1): ``single``, no wrapper;
+    * more than one: ``accelerate`` (Accelerate-managed FSDP, the spec's default).
+    """
+    declared = getattr(model_cls, "supported_strategies", None)
+    if declared:
+        return declared[0]
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    return DEFAULT_STRATEGY_DISTRIBUTED if world > 1 else DEFAULT_STRATEGY_ONE_PROCESS
+
+
+def suggest_spec_key(key: str) -> str | None:
+    """``tp_sise`` -> ``tp_size``: the spec key a misspelt name was probably meant to be."""
+    close = difflib.get_close_matches(str(key), list(SPEC_KEYS), n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
+def pop_spec_sizes(values: MutableMapping[str, Any], where: str = "") -> tuple[dict[str, int], bool | None]:
+    """Remove the spec's size keys (``tp_size``, ``pp_size``, ``dp_size``, ``ep_size``, ``sequence_parallel``, ...)
+    from ``values``; return ``({spec key: size}, tensor_sequence_parallel)``.
+
+    ``sequence_parallel`` given as ``True`` / ``False`` is not a size: it is returned separately (Megatron's
+    sequence parallelism inside tensor-parallel regions, a strategy option). ``where`` prefixes messages.
+    """
+    sizes: dict[str, int] = {}
+    given: dict[str, str] = {}
+    flag: bool | None = None
+    for key in [k for k in values if k in SPEC_KEYS]:
+        value = values.pop(key)
+        dim = SPEC_KEYS[key]
+        if key == "sequence_parallel" and isinstance(value, bool):
+            flag = value
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{where}{key} must be a positive integer (the {dim} size of the mesh), got {value!r}")
+        if dim in sizes and sizes[dim] != value:
+            raise ConfigError(f"{where}{given[dim]}={sizes[dim]} and {where}{key}={value} set the same mesh "
+                              f"dimension ({dim}) differently; give one")
+        sizes[dim], given[dim] = value, key
+    return {given[dim]: size for dim, size in sizes.items()}, flag
+
+
+def merge_spec_sizes(mesh: DeviceMesh | Mapping[str, int] | None, sizes: Mapping[str, int], *,
+                     mesh_name: str = "mesh", where: str = "") -> dict[str, int] | DeviceMesh | None:
+    """``mesh`` with the spec keys' ``sizes`` (``{"tp_size": 2}``) added as mesh dimensions (``{"tp": 2}``);
+    a size that contradicts the mesh is a :class:`ConfigError`.
+
+    Without ``sizes`` the mesh comes back as given. A :class:`DeviceMesh`'s sizes of 1 count as unset.
+    """
+    if not sizes:
+        return mesh
+    if isinstance(mesh, DeviceMesh):
+        merged = {dim: size for dim, size in mesh.to_dict().items() if size != 1}
+    else:
+        merged = dict(mesh or {})
+    for key, size in sizes.items():
+        dim = SPEC_KEYS[key]
+        if dim in merged and merged[dim] != size:
+            raise ConfigError(f"{where}{key}={size} contradicts {mesh_name}.{dim}={merged[dim]}: they are "
+                              f"the same setting (the {dim} size of the mesh); give one")
+        merged[dim] = size
+    return merged

@@ -126,6 +126,15 @@ class RewardRecord(PluginRecord):
 
 
 @dataclass(frozen=True)
+class TrackerRecord(PluginRecord):
+    """An experiment tracker (``twinkle_core.trackers.Tracker``): ``tensorboard``, ``wandb``, ``mlflow`` ...,
+    chosen by ``train.report_to`` in a recipe."""
+
+    kind: ClassVar[str] = "tracker"
+    register_hook: ClassVar[str] = "twinkle_register_trackers"
+
+
+@dataclass(frozen=True)
 class ConformanceTarget(PluginRecord):
     """A factory the conformance suite calls to build a tiny model of one backend.
 
@@ -153,6 +162,7 @@ RECORD_TYPES: tuple[type[PluginRecord], ...] = (
     MetricRecord,
     SamplerRecord,
     RewardRecord,
+    TrackerRecord,
     ConformanceTarget,
 )
 KINDS: dict[str, type[PluginRecord]] = {r.kind: r for r in RECORD_TYPES}

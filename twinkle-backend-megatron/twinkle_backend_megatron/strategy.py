@@ -90,6 +90,9 @@ def _ensure_process_group(backend: str) -> None:
 
 class MegatronStrategy(Strategy):
     name = "megatron"
+    #: dist_checkpointing reshards base-model weights and optimizer to another TP / PP / DP layout (LoRA and
+    #: distributed-optimizer states refuse another layout in load_optimizer_state)
+    reshards_checkpoints = True
     averages_gradients = False  # gradients are summed over data-parallel ranks, then divided by global tokens
     mesh_dimensions: ClassVar[tuple[str, ...]] = ("dp", "tp", "pp", "vpp", "cp", "ep")
     supported_models: ClassVar[tuple[str, ...] | None] = ("MegatronModel",)

@@ -35,17 +35,23 @@ def _default_dp() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def data_parallel_layout(batch_size: int, dp_rank: int | None, dp_size: int | None) -> tuple[int, int]:
+    """``(dp_rank, dp_size)``: the given ones, else the process group's (or ``RANK`` / ``WORLD_SIZE``); checked."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    default_rank, default_size = _default_dp()
+    size = int(dp_size) if dp_size is not None else default_size
+    rank = int(dp_rank) if dp_rank is not None else default_rank
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"invalid data-parallel rank {rank} of size {size}")
+    return rank, size
+
+
 class DataLoader:
     def __init__(self, dataset: Sequence[Any], batch_size: int, collate_fn: Callable[[list[Any]], Any] | None = None,
                  *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  dp_rank: int | None = None, dp_size: int | None = None) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-        default_rank, default_size = _default_dp()
-        self.dp_size = int(dp_size) if dp_size is not None else default_size
-        self.dp_rank = int(dp_rank) if dp_rank is not None else default_rank
-        if self.dp_size < 1 or not 0 <= self.dp_rank < self.dp_size:
-            raise ValueError(f"invalid data-parallel rank {self.dp_rank} of size {self.dp_size}")
+        self.dp_rank, self.dp_size = data_parallel_layout(batch_size, dp_rank, dp_size)
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.collate_fn = collate_fn if collate_fn is not None else (lambda items: items)

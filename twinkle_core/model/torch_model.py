@@ -31,7 +31,7 @@ from twinkle_core.accelerator import current_accelerator
 from twinkle_core.capabilities import check_compatible
 from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import CallableLoss, Loss, LossOutput, accepts_context
-from twinkle_core.mesh import DeviceMesh
+from twinkle_core.mesh import DeviceMesh, default_strategy, merge_spec_sizes, pop_spec_sizes, suggest_spec_key
 from twinkle_core.metrics import LossMetric, Metric
 from twinkle_core.model import frozen, lm_head
 from twinkle_core.model.base import TwinkleModel
@@ -48,6 +48,27 @@ from twinkle_core.task import default_loss_name
 FULL_MODEL = ""  # the TrainState key of full fine-tuning (no adapter)
 
 
+def _tp_sequence_parallel(strategy_cls: type, strategy: Any, options: dict[str, Any] | None,
+                          flag: bool) -> dict[str, Any] | None:
+    """``sequence_parallel=True/False`` (not a size): the strategy's own ``sequence_parallel`` option where it has
+    one (Megatron: sequence parallelism inside tensor-parallel regions); elsewhere a size is needed."""
+    name = strategy if isinstance(strategy, str) else getattr(strategy, "name", type(strategy).__name__)
+    if "sequence_parallel" in inspect.signature(strategy_cls.__init__).parameters:
+        if not isinstance(strategy, str):
+            raise ConfigError("sequence_parallel= with a strategy instance: set it on the strategy itself")
+        options = dict(options or {})
+        if options.get("sequence_parallel", flag) != flag:
+            raise ConfigError(f"sequence_parallel={flag} contradicts strategy_options['sequence_parallel']="
+                              f"{options['sequence_parallel']}; give one")
+        options["sequence_parallel"] = flag
+        return options
+    if flag:
+        raise ConfigError(f"sequence_parallel=True: strategy {name!r} takes the sequence-parallel size, the number "
+                          f"of ranks each sequence is split over (sequence_parallel=2 is mesh sp=2, run by the "
+                          f"'ulysses' strategy)")
+    return options
+
+
 class TorchTwinkleModel(TwinkleModel):
     """Generic torch implementation. Subclasses implement the ``_`` hooks at the bottom."""
 
@@ -61,15 +82,24 @@ class TorchTwinkleModel(TwinkleModel):
         self.init_arguments = dict(kwargs)
         return self
 
-    def __init__(self, *, strategy: str | Strategy = "single", strategy_options: dict[str, Any] | None = None,
+    def __init__(self, *, strategy: str | Strategy | None = None, strategy_options: dict[str, Any] | None = None,
                  mesh: DeviceMesh | dict[str, int] | None = None, precision: str | Precision = "no",
                  task: Any = None, tokenizer: Any = None, seed: int = 42, **unused: Any) -> None:
+        # the spec's names (tp_size=2, pp_size, dp_size, ep_size, sequence_parallel=N, ...) are the mesh's sizes
+        sizes, tp_sequence_parallel = pop_spec_sizes(unused)
         if unused:
-            raise ConfigError(f"{type(self).__name__} got unknown option(s) {sorted(unused)}")
+            hints = [f"{key} (did you mean {suggest_spec_key(key)}?)" if suggest_spec_key(key) else key
+                     for key in sorted(unused)]
+            raise ConfigError(f"{type(self).__name__} got unknown option(s) {', '.join(hints)}")
+        mesh = merge_spec_sizes(mesh, sizes)
         plugins = get_plugins()
         if isinstance(mesh, dict):
             mesh = DeviceMesh(**mesh)
+        if strategy is None:  # the one default rule: twinkle_core.mesh.default_strategy
+            strategy = default_strategy(type(self))
         strategy_cls = plugins.load("strategy", strategy) if isinstance(strategy, str) else type(strategy)
+        if tp_sequence_parallel is not None:
+            strategy_options = _tp_sequence_parallel(strategy_cls, strategy, strategy_options, tp_sequence_parallel)
         check_compatible(type(self), strategy_cls, mesh if mesh is not None else getattr(strategy, "mesh", None),
                          strategy_name=strategy if isinstance(strategy, str) else strategy.name)
         self.accelerator = current_accelerator()
@@ -592,16 +622,7 @@ class TorchTwinkleModel(TwinkleModel):
 
         if not checkpoint.is_complete(path):
             raise FileNotFoundError(f"{path} is not a complete Twinkle checkpoint (no {checkpoint.MARKER})")
-        # the main process reads every file once; the other ranks get its verdict instead of rereading it all
-        problem = None
-        if self.strategy.is_main_process:
-            try:
-                checkpoint.verify_checkpoint(path)
-            except checkpoint.CheckpointError as exc:
-                problem = str(exc)
-        problem = distributed.broadcast_object(problem)
-        if problem is not None:
-            raise checkpoint.CheckpointError(problem)
+        checkpoint.verify_on_main(path, self.strategy.is_main_process)
         state = self._state(adapter_name)
         handle = self._require_optimizer(state, "resume_from_checkpoint")
         state_dir = os.path.join(path, checkpoint.STATE_DIR)

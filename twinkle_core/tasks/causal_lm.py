@@ -24,7 +24,9 @@ batch has ``position_ids`` and no ``attention_mask``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 def greedy_generate(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, pad_token_id: int,
                     stop_token_ids: Sequence[int] = (), early_stop: bool = True) -> list[list[int]]:
-    """Greedy decoding without a KV cache through ``model.forward_only``.
+    """Greedy decoding: with a KV cache through ``model.generation_module()``, or for a model that does not lend
+    its network (``ConfigError``: Megatron) without one, through ``model.forward_only``.
 
     Prompts are left-padded into one batch; the model gets ``input_ids``, ``attention_mask`` and
     ``position_ids`` computed from the mask (so padded rows see the same positions as unpadded
@@ -66,13 +69,9 @@ def greedy_generate(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tok
         attention_mask[row, width - len(prompt):] = 1
     generated: list[list[int]] = [[] for _ in prompts]
     finished = [False] * batch
-    for _ in range(max_new_tokens):
-        if early_stop and all(finished):
-            break
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        outputs = model.forward_only(inputs={"input_ids": input_ids, "attention_mask": attention_mask,
-                                             "position_ids": position_ids})
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+
+    def take(logits: Any) -> Any:
+        """Record the greedy token of every row; finished rows get padding."""
         next_tokens = logits[:, -1, :].float().argmax(dim=-1).detach().cpu()
         for row in range(batch):
             if finished[row]:
@@ -83,9 +82,57 @@ def greedy_generate(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tok
                 finished[row] = True
             else:
                 generated[row].append(token)
-        input_ids = torch.cat([input_ids, next_tokens.view(batch, 1).to(torch.long)], dim=1)
+        return next_tokens.view(batch, 1).to(torch.long)
+
+    with contextlib.ExitStack() as stack:
+        gen = _lent_module(model, stack)
+        if gen is not None:  # a KV cache: each new token costs one position, not the whole sequence
+            _greedy_with_cache(gen, input_ids, attention_mask, take, max_new_tokens,
+                               stop_early=lambda: early_stop and not gen.lockstep and all(finished))
+            return generated
+    for _ in range(max_new_tokens):  # a model that lends no network (Megatron): recompute the whole sequence
+        if early_stop and all(finished):
+            break
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        outputs = model.forward_only(inputs={"input_ids": input_ids, "attention_mask": attention_mask,
+                                             "position_ids": position_ids})
+        next_tokens = take(outputs["logits"] if isinstance(outputs, dict) else outputs.logits)
+        input_ids = torch.cat([input_ids, next_tokens], dim=1)
         attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
     return generated
+
+
+def _lent_module(model: Any, stack: contextlib.ExitStack) -> Any:
+    """``model.generation_module()`` entered on ``stack``, or None for a model that does not lend its network."""
+    if not hasattr(model, "generation_module"):
+        return None
+    try:
+        return stack.enter_context(model.generation_module())
+    except ConfigError:
+        return None
+
+
+def _greedy_with_cache(gen: Any, input_ids: Any, attention_mask: Any, take: Any, max_new_tokens: int,
+                       stop_early: Any) -> None:
+    """Prefill the left-padded prompts, then feed one token per forward through the cache; ``take(logits)``
+    records and returns the next tokens. Makes exactly ``max_new_tokens`` forwards unless ``stop_early()``."""
+    import torch
+
+    from twinkle_core.sampling import forward_keywords
+
+    cache_key, keeps_logits = forward_keywords(gen.module)
+    extra = {"logits_to_keep": 1} if keeps_logits else {}
+    mask = attention_mask.to(gen.device)
+    out = gen.module(input_ids=input_ids.to(gen.device), attention_mask=mask, use_cache=True,
+                     position_ids=(mask.cumsum(-1) - 1).clamp(min=0), **extra)
+    for step in range(max_new_tokens):
+        next_tokens = take(out.logits)
+        if step == max_new_tokens - 1 or stop_early():
+            return
+        cache = getattr(out, cache_key)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        out = gen.module(input_ids=next_tokens.to(gen.device), attention_mask=mask, use_cache=True,
+                         position_ids=mask.sum(-1, keepdim=True) - 1, **{cache_key: cache}, **extra)
 
 
 def _last_labelled_span(feature: InputFeature) -> tuple[int, int] | None:
@@ -143,15 +190,23 @@ class CausalLMTask(Task):
     def load_dataset(self, path: Any, tokenizer: Any, *, max_length: int | None = None, mode: str | None = None,
                      packing: bool | None = None, truncation: str | None = None, template: str | None = None,
                      columns: dict[str, str] | None = None, seed: int | None = None,
-                     **data_options: Any) -> list[InputFeature]:
+                     cache_dir: str | None = None, streaming: bool | None = None,
+                     **data_options: Any) -> Any:
         """Read ``path`` (a data spec: a file, directory, data set id or list of sources; or a list of rows)
         into features.
 
         Bad rows raise :class:`~twinkle_core.errors.DataFormatError` naming the file and line.
+
+        ``cache_dir``: keep the tokenised features there (:mod:`twinkle_core.data.cache`); a later call
+        with the same files, tokenizer and options reads them back instead of tokenising (the result is
+        then a lazily read sequence). ``streaming`` (``mode="pretrain"`` only): return a
+        :class:`~twinkle_core.data.streaming.StreamingPretrainDataset` that reads and packs the text
+        lazily into rows of ``max_length`` tokens.
         """
         if data_options:
             raise ConfigError(f"unknown data option(s) for causal_lm: {', '.join(sorted(data_options))}; "
-                              "expected max_length, mode, packing, truncation, template, columns, seed")
+                              "expected max_length, mode, packing, truncation, template, columns, seed, "
+                              "cache_dir, streaming")
         packing = bool(self._option(packing, "packing", False))
         template_ = self.make_template(tokenizer, max_length=max_length, mode=mode, truncation=truncation,
                                        template=template)
@@ -161,6 +216,30 @@ class CausalLMTask(Task):
         self.pad_token_id = template_.pad_token_id
 
         self._columns = self._option(columns, "columns", None)
+        if streaming:
+            from twinkle_core.data.streaming import StreamingPretrainDataset
+
+            if template_.mode != "pretrain":
+                raise ConfigError("data.streaming needs data.mode: pretrain (streaming packs plain text)")
+            if template_.max_length is None:
+                raise ConfigError("data.streaming needs data.max_length (the length of a packed row)")
+            return StreamingPretrainDataset(path, template_, columns=self._columns)
+        if cache_dir is not None and is_data_spec(path):
+            from twinkle_core.data import cache
+
+            source_id = cache.source_fingerprint(path)
+            if source_id is not None:
+                options = {"mode": template_.mode, "max_length": template_.max_length,
+                           "truncation": template_.truncation, "template": self._option(template, "template", None),
+                           "end_of_turn": sorted(template_.end_of_turn_ids),
+                           "columns": self._columns, "seed": seed, "packing": packing}
+                key = cache.fingerprint(source_id, template_.tokenizer, options)
+                return cache.cached_features(os.fspath(cache_dir), key,
+                                             lambda: self._encode(path, template_, packing, seed),
+                                             description=str(path))
+        return self._encode(path, template_, packing, seed)
+
+    def _encode(self, path: Any, template_: Template, packing: bool, seed: int | None) -> list[InputFeature]:
         source, records = self._records(path, self._columns, seed)
         features = []
         encoded: dict[int, InputFeature] = {}  # a row repeated by mixing is encoded once

@@ -44,14 +44,21 @@ def write_curves(output_dir: str | Path, keys: Sequence[str], *, title: str = ""
     if not log_file.is_file():
         return None
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: never needs a display
-        import matplotlib.pyplot as plt
+        return plot_curves(log_file, keys, Path(output_dir) / CURVES_FILE, title=title)
     except ImportError:
         logger.debug("matplotlib is not installed: no %s (pip install matplotlib)", CURVES_FILE)
         return None
-    series = read_series(log_file, keys)
+
+
+def plot_curves(log_file: str | Path, keys: Sequence[str], output: str | Path, *, title: str = "") -> Path | None:
+    """Draw ``keys`` (and their ``eval_`` counterparts) from ``log_file`` into the PNG ``output``; its path, or
+    None when the log has none of them. Raises ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never needs a display
+    import matplotlib.pyplot as plt
+
+    series = read_series(Path(log_file), keys)
     panels = [k for k in keys if k in series or f"eval_{k}" in series]
     if not panels:
         return None
@@ -62,10 +69,26 @@ def write_curves(output_dir: str | Path, keys: Sequence[str], *, title: str = ""
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    path = Path(output_dir) / CURVES_FILE
+    path = Path(output)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def numeric_keys(log_file: str | Path) -> list[str]:
+    """The numeric values ``log_file`` holds, in first-seen order (``eval_x`` named as ``x``)."""
+    seen: dict[str, None] = {}
+    for line in Path(log_file).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                seen.setdefault(key[5:] if key.startswith("eval_") else key, None)
+    return list(seen)
 
 
 def _draw(ax: Any, key: str, series: dict[str, list[tuple[int, float]]]) -> None:

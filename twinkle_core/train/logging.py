@@ -10,7 +10,10 @@ Each line carries ``event`` (``train`` or ``eval``), ``step`` and the values, e.
 ``batch_time_s``, the time spent making batches (for an RL task: sampling, rewards and reference passes).
 
 Only the main process writes. The file is appended to, so a resumed run continues the same log.
-TensorBoard (``output_dir/tensorboard``) is used when ``tensorboard`` is importable, unless
+
+Besides the JSONL file, every numeric value of a line goes to the run's experiment trackers
+(:mod:`twinkle_core.trackers`, ``train.report_to`` in a recipe) as ``<event>/<key>`` at ``step``. Without
+``report_to``, TensorBoard (``output_dir/tensorboard``) is used when ``tensorboard`` is importable, unless
 ``TWINKLE_TENSORBOARD=0``.
 
 Start-up timing: :class:`StartupTimer` measures where the time before the first optimizer step goes
@@ -31,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from twinkle_core.envflags import env_flag
+from twinkle_core.trackers import TrackerSet, open_trackers
 
 logger = logging.getLogger("twinkle.train")
 
@@ -57,37 +60,49 @@ def _plain(value: Any) -> Any:
 
 
 class TrainLogger:
-    """Writes JSONL (always) and TensorBoard scalars (when available) on the main process."""
+    """Writes JSONL (always) and sends the numeric values to the experiment trackers, on the main process.
+
+    ``report_to`` / ``tracker_options``: as ``train.report_to`` / ``train.tracker_options`` in a recipe
+    (``None``: TensorBoard when installed); ``tensorboard=False`` (or ``True``) is the older switch for that default.
+    ``run_config`` is logged by each tracker as the run's params (the recipe as a dict). A tracker that cannot start
+    raises here (:class:`twinkle_core.trackers.TrackerError`), before any step.
+    """
 
     def __init__(self, output_dir: str | os.PathLike[str], *, enabled: bool = True,
-                 tensorboard: bool | None = None) -> None:
+                 tensorboard: bool | None = None, report_to: Any = None,
+                 tracker_options: dict[str, Any] | None = None, run_config: dict[str, Any] | None = None,
+                 run_name: str | None = None) -> None:
         self.enabled = enabled
         self.path = Path(output_dir) / LOG_FILE
         self._file = None
-        self._tb = None
+        self.trackers = TrackerSet()
+        self.status = "success"
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if report_to is None and tensorboard is not None:
+            report_to = ["tensorboard"] if tensorboard and self._tensorboard_installed() else []
+        self.trackers = open_trackers(report_to, tracker_options, run_config=_plain(run_config or {}),
+                                      output_dir=output_dir, run_name=run_name)
         self._file = open(self.path, "a", encoding="utf-8")
-        if tensorboard is None:
-            tensorboard = env_flag("TWINKLE_TENSORBOARD", True)
-        if tensorboard:
-            self._tb = self._open_tensorboard(Path(output_dir) / "tensorboard")
+
+    @classmethod
+    def for_recipe(cls, recipe: Any, *, enabled: bool = True) -> TrainLogger:
+        """The logger of a run of ``recipe``: its ``train.report_to`` trackers, with the recipe as the run config."""
+        import dataclasses
+
+        t = recipe.train
+        return cls(t.output_dir, enabled=enabled, report_to=getattr(t, "report_to", None),
+                   tracker_options=getattr(t, "tracker_options", None), run_config=dataclasses.asdict(recipe))
 
     @staticmethod
-    def _open_tensorboard(log_dir: Path) -> Any:
+    def _tensorboard_installed() -> bool:
         import importlib.util
 
         if importlib.util.find_spec("tensorboard") is None:
             logger.debug("tensorboard is not installed (pip install tensorboard); logging to JSONL only")
-            return None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            return SummaryWriter(log_dir=str(log_dir))
-        except Exception as exc:  # a broken tensorboard install must not stop training
-            logger.warning("TensorBoard logging disabled: %s", exc)
-            return None
+            return False
+        return True
 
     def log(self, event: str, step: int, values: dict[str, Any]) -> dict[str, Any]:
         record = {"event": event, "step": int(step), **{k: _plain(v) for k, v in values.items()},
@@ -96,28 +111,44 @@ class TrainLogger:
             return record
         self._file.write(json.dumps(record, sort_keys=False) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key in ("event", "step", "time") or isinstance(value, bool):
-                    continue
-                if isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"{event}/{key}", value, global_step=int(step))
-            self._tb.flush()
+        if self.trackers:
+            self.trackers.log(_scalars(event, record), int(step))
         return record
 
-    def close(self) -> None:
+    def failed(self, exc: BaseException | None = None) -> None:
+        """Mark the run as ended by ``exc``: the trackers finish it as ``interrupted`` or ``failed``."""
+        self.status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+
+    def close(self, status: str | None = None) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        self.trackers.finish(status or self.status)
 
     def __enter__(self) -> TrainLogger:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is not None:
+            self.failed(exc)
         self.close()
+
+
+def _scalars(event: str, record: dict[str, Any]) -> dict[str, float]:
+    """The numeric values of a log line, keyed ``<event>/<key>`` (nested mappings: ``<event>/<key>/<sub>``)."""
+    out: dict[str, float] = {}
+
+    def add(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                add(f"{prefix}/{key}", item)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[prefix] = value
+
+    for key, value in record.items():
+        if key not in ("event", "step", "time"):
+            add(f"{event}/{key}", value)
+    return out
 
 
 def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

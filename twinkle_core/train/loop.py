@@ -13,7 +13,8 @@ the first optimizer step went: wall and CPU seconds per phase (:class:`twinkle_c
 continues a run exactly: weights, optimizer, scheduler, RNG and the data loader's position come back. The optimizer
 comes back as saved, so a recipe whose ``optimizer.lr`` or ``optimizer.weight_decay`` differs from the
 checkpoint's is refused with a ConfigError rather than silently ignored (the model API has no way yet
-to change them on a resumed optimizer and its schedule).
+to change them on a resumed optimizer and its schedule). Another world size or batch layout: see
+:mod:`twinkle_core.train.resharding`. ``resume_weights_only`` loads only a checkpoint's weights and starts at step 0.
 
 Stopping early: a first SIGINT (Ctrl+C) or SIGTERM only asks to stop; the loop finishes the current
 optimizer step, saves ``checkpoint-N-interrupted`` (weights and counters of the same step) and raises
@@ -73,6 +74,7 @@ from twinkle_core import distributed
 from twinkle_core.checkpoint import checkpoint_name, latest_checkpoint, prune_checkpoints
 from twinkle_core.errors import ConfigError
 from twinkle_core.metrics import LossMetric
+from twinkle_core.train import resharding
 from twinkle_core.train.guards import (  # noqa: F401 - MAX_NONFINITE_STEPS, LABEL_CHECK_STEPS: documented here
     IGNORE_INDEX,
     LABEL_CHECK_STEPS,
@@ -100,6 +102,16 @@ ADAPTER_NAME = "default"
 
 
 # ---------------------------------------------------------------------- small helpers (patchable in tests)
+def _keyword_parameters(function: Any) -> set[str]:
+    """The named parameters ``function`` takes (not ``**kwargs``)."""
+    import inspect
+
+    try:
+        return set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # pragma: no cover
+        return set()
+
+
 def dataloader_class() -> Any:
     from twinkle_core.data.loader import DataLoader
 
@@ -171,9 +183,14 @@ def _round(value: Any, digits: int = 6) -> Any:
 class Trainer:
     """One training run. ``Trainer(recipe).run()`` is what :func:`train` does."""
 
-    def __init__(self, recipe: Recipe, *, resume: str | None = None) -> None:
+    def __init__(self, recipe: Recipe, *, resume: str | None = None, resume_weights_only: str | None = None) -> None:
         self.recipe = recipe
         self.resume_spec = resume if resume is not None else recipe.train.resume
+        #: ``--resume-weights-only``: a checkpoint whose weights (and adapter) start a fresh run at step 0
+        self.weights_only_spec = resume_weights_only
+        if self.resume_spec and resume_weights_only:
+            raise ConfigError("--resume and --resume-weights-only (or train.resume) exclude each other: --resume "
+                              "continues the run exactly, --resume-weights-only starts a new one from the weights")
         self.output_dir = Path(recipe.train.output_dir)
         self.adapter_name: str | None = ADAPTER_NAME if recipe.model.adapter else None
         self.step = 0
@@ -235,9 +252,22 @@ class Trainer:
                 data_options[key] = value
         if isinstance(r.data.train, list) or isinstance(r.data.eval, list):  # mixing several sources
             data_options["seed"] = r.data.seed if r.data.seed is not None else r.train.seed
-        self.train_dataset = self.task.load_dataset(r.data.train, self.tokenizer, **data_options)
+        accepts = _keyword_parameters(self.task.load_dataset)
+        if "cache_dir" in accepts and r.data.cache_dir is not False and "cache_dir" not in data_options:
+            data_options["cache_dir"] = (str(self.output_dir / "data_cache") if r.data.cache_dir in (None, True)
+                                         else str(r.data.cache_dir))
+        train_options = dict(data_options)
+        if r.data.streaming:
+            if "streaming" not in accepts:
+                raise ConfigError(f"data.streaming: the task {r.task!r} cannot stream its data")
+            if r.train.max_steps is None:
+                raise ConfigError("data.streaming: the length of a streamed data set is unknown; set train.max_steps")
+            train_options["streaming"] = True
+        self.train_dataset = self.task.load_dataset(r.data.train, self.tokenizer, **train_options)
         self.eval_dataset = (self.task.load_dataset(r.data.eval, self.tokenizer, **data_options)
                              if r.data.eval else None)
+        if self.eval_dataset is None and r.train.evaluate_options is not None:
+            logger.warning("train.evaluate_options is set but data.eval is not: there is no held-out set to evaluate")
 
     def _build_model(self, model_cls: Any) -> None:
         r = self.recipe
@@ -283,7 +313,8 @@ class Trainer:
             self.eval_dataset = self.task.prepare_dataset(model, self.eval_dataset, split="eval",
                                                           output_dir=str(self.output_dir))
         self.loader = self._make_loader(self.train_dataset, shuffle=r.data.shuffle)
-        micro_batches = len(self.loader)
+        streaming = getattr(self.loader, "is_streaming", False)
+        micro_batches = 1 if streaming else len(self.loader)  # streaming: unknown (train.max_steps is required)
         ga = r.train.gradient_accumulation_steps
         if micro_batches == 0:
             raise ConfigError(f"data.train ({r.data.train}) yields no batches for this rank (data.batch_size="
@@ -297,7 +328,7 @@ class Trainer:
                     f"train.gradient_accumulation_steps={ga} needs {ga} micro-batches per optimizer step but "
                     f"data.train yields only {micro_batches} per epoch on this rank; lower it or raise "
                     f"train.num_epochs")
-        self.micro_batches_per_epoch = micro_batches
+        self.micro_batches_per_epoch = "unknown (streaming)" if streaming else micro_batches
         s = r.lr_scheduler
         warmup = s.warmup_steps if s.warmup_steps is not None else int(round((s.warmup_ratio or 0.0)
                                                                              * self.total_steps))
@@ -326,6 +357,11 @@ class Trainer:
     def _make_loader(self, dataset: Any, *, shuffle: bool) -> Any:
         r = self.recipe
         seed = r.data.seed if r.data.seed is not None else r.train.seed
+        if getattr(dataset, "is_streaming", False):
+            from twinkle_core.data.streaming import StreamingDataLoader
+
+            return StreamingDataLoader(dataset, r.data.batch_size, self.task.collate, dp_rank=self.dp_rank,
+                                       dp_size=self.dp_size)
         cls = dataloader_class()
         return cls(dataset, r.data.batch_size, self.task.collate, shuffle=shuffle, seed=seed, drop_last=False,
                    dp_rank=self.dp_rank, dp_size=self.dp_size)
@@ -363,7 +399,10 @@ class Trainer:
         # the task's state is per rank (each rank's share of a rollout queue): gathered, since only the main
         # process writes the extra state
         state["task"] = {"per_rank": distributed.all_gather_object(state.get("task") or {})}
-        o = self.recipe.optimizer
+        o, r = self.recipe.optimizer, self.recipe
+        state["layout"] = resharding.layout(  # what --resume compares at another world size or batch size
+            world_size=distributed.world_size(), dp_size=self.dp_size or 1, batch_size=r.data.batch_size,
+            gradient_accumulation_steps=r.train.gradient_accumulation_steps, strategy=self._strategy_name())
         extra = {**state, "total_steps": self.total_steps,
                  "optimizer_options": {"lr": o.lr, "weight_decay": o.weight_decay}}  # checked on resume
         path = self.model.save(name, output_dir=str(self.output_dir), adapter_name=self.adapter_name,
@@ -401,21 +440,30 @@ class Trainer:
         return path
 
     def _resume(self) -> str | None:
-        spec = self.resume_spec
+        spec = self.resume_spec or self.weights_only_spec
         if not spec:
             return None
+        flag = "train.resume" if self.resume_spec else "--resume-weights-only"
         if spec == "latest":
             # one process hashes the candidates, and every rank resumes from the same one
             path = distributed.broadcast_object(latest_checkpoint(self.output_dir) if self.is_main else None)
             if path is None:
-                logger.warning("--resume latest: no checkpoint under %s yet; starting from scratch", self.output_dir)
+                logger.warning("%s latest: no checkpoint under %s yet; starting from scratch", flag, self.output_dir)
                 return None
         else:
             path = Path(spec).expanduser()
             if not path.exists() and (self.output_dir / spec).exists():
                 path = self.output_dir / spec
             if not path.exists():
-                raise ConfigError(f"train.resume: checkpoint {spec!r} does not exist")
+                raise ConfigError(f"{flag}: checkpoint {spec!r} does not exist")
+        if not self.resume_spec:
+            return self._load_weights_only(path)
+        r = self.recipe
+        now = resharding.layout(world_size=distributed.world_size(), dp_size=self.dp_size or 1,
+                                batch_size=r.data.batch_size, gradient_accumulation_steps=r.train.gradient_accumulation_steps,
+                                strategy=self._strategy_name())
+        reshards = bool(getattr(getattr(self.model, "strategy", None), "reshards_checkpoints", False))
+        world_changed = resharding.check_layout(path, resharding.saved_layout(path), now, reshards=reshards)
         extra = self.model.resume_from_checkpoint(str(path), adapter_name=self.adapter_name) or {}
         self._check_resumed_optimizer(path, extra.get("optimizer_options") or {})
         self.step = int(extra.get("step", 0))
@@ -423,11 +471,33 @@ class Trainer:
         self.loader.set_epoch(self.epoch)
         self.task.load_state_dict(local_task_state(path, extra.get("task") or {}))
         if extra.get("loader") is not None:
-            self.loader.load_state_dict(extra["loader"])
+            try:
+                self.loader.load_state_dict(resharding.remap_loader_state(path, extra["loader"], self.loader))
+            except ValueError as exc:  # another data set, seed or shuffle: the data order would differ
+                raise ConfigError(f"train.resume: {path}: {exc}") from exc
         else:
             logger.warning("%s has no data-loader state; the data order restarts from the epoch's beginning", path)
+        if world_changed:  # the per-rank RNG streams cannot carry over to another number of ranks
+            resharding.reseed(r.train.seed, self.step)
         self._last_saved_step = self.step
         logger.info("resumed from %s at step %d (epoch %d)", path, self.step, self.epoch)
+        return str(path)
+
+    def _strategy_name(self) -> str | None:
+        """The strategy the model runs (the recipe may leave it to a default)."""
+        return getattr(getattr(self.model, "strategy", None), "name", None) or self.recipe.strategy.name
+
+    def _load_weights_only(self, path: Path) -> str:
+        """``--resume-weights-only``: the checkpoint's weights (the adapter's, with ``model.adapter``) and nothing
+        else; optimizer, schedule, data order, RNG and counters start fresh at step 0, at any world size, batch
+        size or strategy."""
+        from twinkle_core import checkpoint
+
+        # a plain exported model directory (no marker) is loaded as it is
+        checkpoint.verify_on_main(path, self.is_main and checkpoint.is_complete(str(path)))
+        self.model.load(str(path), adapter_name=self.adapter_name)
+        logger.info("loaded the weights of %s; training starts fresh at step 0 (optimizer, schedule and data order "
+                    "are new)", path)
         return str(path)
 
     def _check_resumed_optimizer(self, path: Path, saved: dict[str, Any]) -> None:
@@ -468,7 +538,8 @@ class Trainer:
             if tokens and math.isfinite(metrics["eval_loss"]) and metrics["eval_loss"] < 50:
                 metrics["eval_ppl"] = math.exp(metrics["eval_loss"])
         extra: dict[str, Any] = {}
-        if r.train.evaluate_options is not None or (self.eval_dataset is not None and not self.task.has_eval_loss):
+        # generation-based evaluation reads the held-out set: without data.eval there is nothing to evaluate
+        if self.eval_dataset is not None and (r.train.evaluate_options is not None or not self.task.has_eval_loss):
             options = r.train.evaluate_options or {}
             extra = self.task.evaluate(model, self.eval_dataset, self.tokenizer, **options) or {}
         for key, value in extra.items():
@@ -513,10 +584,14 @@ class Trainer:
         eval_enabled = self.eval_dataset is not None or t.evaluate_options is not None
         show_bar = progress_enabled(self.is_main)
         with self.startup_timer.phase("setup"):
-            log = TrainLogger(self.output_dir, enabled=self.is_main)
+            try:  # starts the recipe's trackers (train.report_to): one that cannot start stops the run here
+                log = TrainLogger.for_recipe(r, enabled=self.is_main)
+            except BaseException:
+                self.task.close()
+                raise
             bar = progress_bar(self.total_steps, self.step, enabled=show_bar)
         if self.is_main:
-            logger.info("training %d optimizer steps (%d micro-batches per epoch per rank, %d accumulated per step)"
+            logger.info("training %d optimizer steps (%s micro-batches per epoch per rank, %d accumulated per step)"
                         " from step %d; output in %s", self.total_steps, self.micro_batches_per_epoch, ga,
                         self.step, self.output_dir)
         eval_before = eval_after = None
@@ -574,6 +649,7 @@ class Trainer:
                 self.checkpoints.append(final_path)
         except BaseException as exc:
             bar.close()
+            log.failed(exc)  # the trackers finish the run as failed / interrupted
             if stop.forced:
                 logger.warning("stopped at once by a second signal, without saving; resume from the last checkpoint")
                 raise
@@ -673,7 +749,7 @@ class Trainer:
 
 
 def train(recipe: Recipe | str | os.PathLike[str] | dict[str, Any], *, overrides: list[str] | None = None,
-          resume: str | None = None) -> dict[str, Any]:
+          resume: str | None = None, resume_weights_only: str | None = None) -> dict[str, Any]:
     """Train as the recipe says; return a summary (final metrics, evaluation before/after, paths, wall time).
 
     ``recipe`` is a :class:`Recipe`, a YAML path or a mapping; ``resume`` is a checkpoint directory or
@@ -685,4 +761,4 @@ def train(recipe: Recipe | str | os.PathLike[str] | dict[str, Any], *, overrides
         recipe = recipe_from_dict(recipe, overrides)
     elif overrides:
         recipe = recipe_from_dict(recipe_to_dict(recipe), overrides)
-    return Trainer(recipe, resume=resume).run()
+    return Trainer(recipe, resume=resume, resume_weights_only=resume_weights_only).run()

@@ -46,7 +46,14 @@ from typing import Any
 
 from twinkle_core.data.template import TRUNCATION_SIDES
 from twinkle_core.errors import ConfigError, PluginNotFoundError
-from twinkle_core.mesh import DeviceMesh
+from twinkle_core.mesh import (
+    SPEC_KEYS,
+    DeviceMesh,
+    default_strategy,
+    merge_spec_sizes,
+    pop_spec_sizes,
+    suggest_spec_key,
+)
 from twinkle_core.optim import check_optimizer_options
 from twinkle_core.options import check_options
 
@@ -64,6 +71,7 @@ __all__ = [
     "parse_override",
     "recipe_from_dict",
     "recipe_to_dict",
+    "strategy_name",
     "validate_components",
     "validate_plugin_names",
 ]
@@ -97,7 +105,9 @@ class ModelConfig:
 
 @dataclass
 class StrategyConfig:
-    name: str = "single"
+    #: ``null``: :func:`twinkle_core.mesh.default_strategy` decides (``single`` for one process,
+    #: ``accelerate`` for more, the model class's own strategy where it has one)
+    name: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -120,6 +130,11 @@ class DataConfig:
     shuffle: bool = True
     #: shuffling seed (default: ``train.seed``)
     seed: int | None = None
+    #: where tokenised data is cached for restarts and other ranks (default ``train.output_dir/data_cache``;
+    #: ``false`` disables the cache), for tasks whose ``load_dataset`` takes ``cache_dir``
+    cache_dir: str | bool | None = None
+    #: ``pretrain`` mode only: read and pack the text lazily into rows of ``max_length`` (needs ``train.max_steps``)
+    streaming: bool = False
     #: further keyword arguments for ``task.load_dataset``
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -168,6 +183,11 @@ class TrainConfig:
     evaluate_options: dict[str, Any] | None = None
     #: a checkpoint directory, or ``latest`` (the newest under ``output_dir``); ``twinkle train --resume``
     resume: str | None = None
+    #: experiment trackers besides ``logs.jsonl`` (always written): a name or a list (``[tensorboard, wandb]``;
+    #: ``twinkle plugins`` lists them); ``null``: TensorBoard when installed; ``[]`` or ``none``: JSONL only
+    report_to: list[str] | str | None = None
+    #: options per tracker: ``{wandb: {project: my-project, mode: offline}}``
+    tracker_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -220,6 +240,7 @@ _ALIASES = {
     "train_file": "data.train",
     "eval_file": "data.eval",
     "resume_from_checkpoint": "train.resume",
+    "report_to": "train.report_to",
 }
 
 # keyword arguments the training loop passes to every model class (see twinkle_core.train.loop)
@@ -233,6 +254,7 @@ _CONSTRUCTOR_KEYS_FROM = {
 _CONSTRUCTOR_KEYS = set(_CONSTRUCTOR_KEYS_FROM)
 
 _MESH_KEYS = tuple(DeviceMesh.__dataclass_fields__)  # the mesh declares its dimensions once
+_RECIPE_KEYS = tuple(f.name for f in dataclasses.fields(Recipe))
 
 
 # ---------------------------------------------------------------------- generic validation
@@ -488,10 +510,36 @@ def _at(recipe: Recipe, path: str) -> Any:
     return functools.reduce(_step, path.split("."), recipe)
 
 
+def _fold_spec_sizes(raw: dict[str, Any], errors: _Errors) -> None:
+    """The spec's size keys (``tp_size: 2`` at the top level or in ``mesh``; ``tp_size=2`` on the command line)
+    become mesh dimensions (``mesh: {tp: 2}``), in place; a contradiction with ``mesh`` is an error."""
+    for key in [k for k in raw if k not in _RECIPE_KEYS and k not in SPEC_KEYS and suggest_spec_key(k)]:
+        errors.add(str(key), f"unknown key; did you mean {suggest_spec_key(key)}?")
+        raw.pop(key)
+    try:
+        sizes, flag = pop_spec_sizes(raw)
+        mesh = raw.get("mesh")
+        if isinstance(mesh, dict):
+            mesh = dict(mesh)
+            inner, inner_flag = pop_spec_sizes(mesh, where="mesh.")
+            flag = inner_flag if flag is None else flag
+            mesh = merge_spec_sizes(mesh, inner, where="mesh.")
+        if flag:
+            raise ConfigError("sequence_parallel: true is not a size; give the number of ranks each sequence is "
+                              "split over (sequence_parallel: 2 is mesh.sp: 2); Megatron's sequence parallelism "
+                              "inside tensor-parallel regions is strategy.options.sequence_parallel: true")
+        if sizes or mesh is not raw.get("mesh"):
+            if mesh is not None and not isinstance(mesh, dict):
+                return  # _build reports the wrong type of mesh
+            raw["mesh"] = merge_spec_sizes(mesh, sizes)
+    except ConfigError as exc:
+        errors.add("", str(exc))
+
+
 def _check_mesh(mesh: dict[str, int] | None, errors: _Errors) -> None:
     unknown = [key for key in mesh or () if key not in _MESH_KEYS]
     for key in unknown:
-        close = difflib.get_close_matches(str(key), _MESH_KEYS, n=1)
+        close = difflib.get_close_matches(str(key), [*_MESH_KEYS, *SPEC_KEYS], n=1)
         hint = f"did you mean mesh.{close[0]}?" if close else f"known: {', '.join(_MESH_KEYS)}"
         errors.add(f"mesh.{key}", f"unknown mesh dimension; {hint}")
     if mesh and not unknown:
@@ -508,6 +556,8 @@ def _check(recipe: Recipe, errors: _Errors) -> None:
             errors.add(path, message.format(value=value))
     for key in sorted(set(recipe.model.options) & _CONSTRUCTOR_KEYS):
         errors.add(f"model.options.{key}", f"is set by the recipe itself; use {_CONSTRUCTOR_KEYS_FROM[key]} instead")
+    for key in sorted(set(recipe.model.options) & set(SPEC_KEYS)):
+        errors.add(f"model.options.{key}", f"is a mesh size; write {key} at the top level (or mesh.{SPEC_KEYS[key]})")
     _check_mesh(recipe.mesh, errors)
 
 
@@ -590,6 +640,7 @@ def recipe_from_dict(raw: dict[str, Any] | None, overrides: list[str] | None = N
         _resolve_paths(raw, Path(base_dir))
     apply_overrides(raw, overrides)
     errors = _Errors()
+    _fold_spec_sizes(raw, errors)
     recipe = _build(Recipe, raw, "", errors)
     if not errors:
         _check(recipe, errors)
@@ -651,6 +702,9 @@ def validate_plugin_names(recipe: Recipe, plugins: Any = None) -> None:
         except PluginNotFoundError as exc:
             exc.args = (f"{key}: {exc}",)
             raise
+    from twinkle_core.trackers import check_trackers
+
+    check_trackers(recipe.train.report_to, recipe.train.tracker_options, plugins)
 
 
 def check_paths(recipe: Recipe) -> None:
@@ -677,7 +731,12 @@ def check_paths(recipe: Recipe) -> None:
         raise ConfigError("invalid recipe:\n  " + "\n  ".join(problems) if len(problems) > 1 else problems[0])
 
 
-def validate_components(recipe: Recipe, plugins: Any = None) -> None:
+def strategy_name(recipe: Recipe, model_cls: type | None = None, world_size: int | None = None) -> str:
+    """``strategy.name``, or the default (:func:`twinkle_core.mesh.default_strategy`) for ``world_size`` ranks."""
+    return recipe.strategy.name or default_strategy(model_cls, world_size)
+
+
+def validate_components(recipe: Recipe, plugins: Any = None, *, world_size: int | None = None) -> None:
     """Check every ``options`` mapping against the component it configures, and that the model class,
     strategy and mesh can work together, before anything is launched or built.
 
@@ -701,11 +760,18 @@ def validate_components(recipe: Recipe, plugins: Any = None) -> None:
             model_cls.check_adapter_config(dict(recipe.model.adapter))
         except ConfigError as exc:
             raise ConfigError(f"model.adapter: {exc}") from None
-    strategy_cls = plugins.load("strategy", recipe.strategy.name)
+    strategy = strategy_name(recipe, model_cls, world_size)  # world_size: the ranks the job will have
+    try:
+        strategy_cls = plugins.load("strategy", strategy)
+    except PluginNotFoundError as exc:
+        if recipe.strategy.name is None:
+            exc.args = (f"strategy: none given, and the default for this job is {strategy!r} "
+                        f"(twinkle_core.mesh.default_strategy); set strategy.name, or: {exc}",)
+        raise
     check_options(strategy_cls, recipe.strategy.options, where="strategy.options",
                   provided={"mesh": "mesh", "precision": "precision"})
     check_compatible(model_cls, strategy_cls, DeviceMesh(**recipe.mesh) if recipe.mesh else None,
-                     strategy_name=recipe.strategy.name)
+                     strategy_name=strategy)
     _check_loss_options(recipe, task, plugins)
     check_optimizer_options(plugins.load("optimizer", recipe.optimizer.name), recipe.optimizer.options)
     check_options(plugins.load("scheduler", recipe.lr_scheduler.name), recipe.lr_scheduler.options,

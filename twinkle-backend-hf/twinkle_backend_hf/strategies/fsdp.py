@@ -54,6 +54,9 @@ def _is_fsdp(module: torch.nn.Module) -> bool:
 class NativeFSDPStrategy(Strategy):
     name = "native_fsdp"
     averages_gradients = True
+    #: the DCP optimizer state and the full exported weights load at any number of ranks (``--resume`` at
+    #: another world size, see :mod:`twinkle_core.train.resharding`)
+    reshards_checkpoints = True
     mesh_dimensions: ClassVar[tuple[str, ...]] = ("dp", "fsdp")
 
     def __init__(self, mesh: DeviceMesh | None = None, *, precision: Precision | None = None,

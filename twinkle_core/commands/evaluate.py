@@ -1,0 +1,274 @@
+"""``twinkle eval CHECKPOINT [DATA]``: loss, perplexity and exact match of a checkpoint on a data set.
+
+``DATA`` is JSONL (or any format ``twinkle train`` reads) of chats (OpenAI ``messages``, ShareGPT
+``conversations`` or Alpaca rows) or of ``{"text": ...}`` rows:
+
+- **loss / perplexity**: mean negative log-likelihood per token of the assistant turns (chats: the tokens the
+  chat template adds for each assistant turn) or of the whole text (text rows); perplexity = exp(loss);
+- **exact match** (chats): the greedy answer to the conversation up to its last assistant turn equals that turn
+  (both stripped).
+
+The numbers are printed as a table and, with ``--output FILE``, written as JSON. ``--tasks a,b`` also runs
+lm-eval's tasks (``pip install lm-eval``) on the loaded model through ``lm_eval.simple_evaluate``;
+``--include-path DIR`` adds task YAMLs of your own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from twinkle_core.commands._checkpoint import add_checkpoint_arguments
+from twinkle_core.errors import ConfigError
+
+HELP = "loss / perplexity / exact match on a data set (and lm-eval tasks with --tasks)"
+LM_EVAL_MISSING = ("--tasks runs lm-eval's tasks, and the lm-eval package is not installed: pip install lm-eval")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("eval", help=HELP,
+                       description="Evaluate a checkpoint on a chat or text JSONL: loss, perplexity and (chats) "
+                                   "exact match of the greedy answer to the last assistant turn; optionally "
+                                   "lm-eval tasks (--tasks).")
+    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument("data", nargs="?", help="chat or text rows (JSONL, or any format twinkle train reads)")
+    p.add_argument("--output", "-o", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--limit", type=int, help="evaluate the first N rows only (lm-eval: N per task)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per forward / generate call (default 8)")
+    p.add_argument("--max-length", type=int, help="truncate sequences to this many tokens "
+                                                   "(default: the model's max_position_embeddings)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit for exact match (default 64)")
+    p.add_argument("--no-generate", action="store_true", help="loss and perplexity only (no exact match)")
+    p.add_argument("--tasks", metavar="NAME[,NAME]", help="lm-eval tasks to run (needs: pip install lm-eval)")
+    p.add_argument("--include-path", metavar="DIR", help="a directory of lm-eval task YAMLs (with --tasks)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    add_checkpoint_arguments(p)
+
+
+# ---------------------------------------------------------------------- data
+def read_examples(path: str, limit: int | None = None) -> list[dict[str, Any]]:
+    """``[{"messages": [...]}]`` for chat rows, ``[{"text": ...}]`` for text rows."""
+    from twinkle_core.data.formats import RowError, is_conversation_row, normalize_conversation
+    from twinkle_core.data.loading import load_rows
+
+    if not Path(path).expanduser().exists():
+        raise ConfigError(f"data {path!r} does not exist; pass a JSONL file of chat ('messages') or text rows")
+    rows = load_rows(str(Path(path).expanduser()), validate=None)
+    if limit is not None:
+        rows = rows[:limit]
+    examples = []
+    for number, row in enumerate(rows, 1):
+        if is_conversation_row(row):
+            try:
+                messages, _ = normalize_conversation(row)
+            except RowError as exc:
+                raise ConfigError(f"{path}:{number}: {exc}") from None
+            messages = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
+            if not any(m["role"] == "assistant" for m in messages):
+                raise ConfigError(f"{path}:{number}: the conversation has no assistant turn to evaluate")
+            examples.append({"messages": messages})
+        elif isinstance(row, dict) and isinstance(row.get("text"), str):
+            examples.append({"text": row["text"]})
+        else:
+            raise ConfigError(f"{path}:{number}: expected a chat row ('messages', 'conversations' or Alpaca "
+                              f"'instruction'/'output') or a text row ('text')")
+    if not examples:
+        raise ConfigError(f"data {path!r} holds no rows")
+    return examples
+
+
+def loss_sequences(tokenizer: Any, examples: list[dict[str, Any]], max_length: int) -> list[tuple[list[int], list[int]]]:
+    """``[(input_ids, labels)]`` (-100 where no loss is taken) labelled as ``twinkle train`` labels them
+    (:class:`twinkle_core.data.template.Template`): every assistant turn with its end-of-turn token, or every
+    token of a text row (with EOS)."""
+    from twinkle_core.data.formats import RowError
+    from twinkle_core.data.template import Template
+
+    templates: dict[str, Any] = {}
+    sequences = []
+    for number, example in enumerate(examples, 1):
+        mode = "pretrain" if "text" in example else "chat"
+        if mode not in templates:
+            templates[mode] = Template(tokenizer, max_length=max_length, mode=mode)
+        try:
+            feature = templates[mode].encode(example)
+        except RowError as exc:
+            raise ConfigError(f"row {number}: {exc}") from None
+        sequences.append((list(feature.input_ids), list(feature.labels)))
+    return sequences
+
+
+def compute_loss(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *, batch_size: int,
+                 max_length: int) -> tuple[float, int]:
+    """(summed NLL, label tokens) over the examples."""
+    import torch
+
+    sequences = loss_sequences(tokenizer, examples, max_length)
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for start in range(0, len(sequences), batch_size):
+        batch = sequences[start:start + batch_size]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, (seq, lab) in enumerate(batch):
+            ids[row, :len(seq)] = torch.tensor(seq)
+            labels[row, :len(lab)] = torch.tensor(lab)
+            mask[row, :len(seq)] = 1
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+        shift_logits = logits[:, :-1].float()
+        shift_labels = labels[:, 1:].to(device)
+        nll = torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]),
+                                                shift_labels.reshape(-1), ignore_index=-100, reduction="sum")
+        total += float(nll)
+        count += int((shift_labels != -100).sum())
+    return total, count
+
+
+def exact_match(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *, batch_size: int,
+                max_new_tokens: int) -> tuple[float, int, list[dict[str, Any]]]:
+    """(exact-match rate, examples judged, predictions) for the chat examples."""
+    import torch
+
+    from twinkle_core.commands._checkpoint import generation_kwargs, pad_token_id, stop_token_ids
+
+    stops = stop_token_ids(tokenizer, model)
+    pad = pad_token_id(tokenizer, stops)
+    kwargs = generation_kwargs(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens, stops=stops, pad_id=pad)
+    from twinkle_core.data.template import Template
+
+    template = Template(tokenizer, mode="chat")  # prompts tokenised as twinkle train's evaluation does
+    prompts = []
+    for e in examples:
+        if "messages" not in e:
+            continue
+        last = max(i for i, m in enumerate(e["messages"]) if m["role"] == "assistant")
+        prompts.append((list(template.encode_prompt(e["messages"][:last])),
+                        e["messages"][last]["content"]))
+    device = next(model.parameters()).device
+    predictions = []
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start:start + batch_size]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, (seq, _) in enumerate(batch):  # left padding: every answer starts at column `width`
+            ids[row, width - len(seq):] = torch.tensor(seq)
+            mask[row, width - len(seq):] = 1
+        with torch.no_grad():
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+        for row, (_, reference) in enumerate(batch):
+            answer = tokenizer.decode(out[row, width:], skip_special_tokens=True).strip()
+            predictions.append({"prediction": answer, "reference": reference,
+                                "correct": answer == reference.strip()})
+    if not predictions:
+        return float("nan"), 0, []
+    return sum(p["correct"] for p in predictions) / len(predictions), len(predictions), predictions
+
+
+# ---------------------------------------------------------------------- lm-eval
+def check_lm_eval() -> None:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise ConfigError(LM_EVAL_MISSING) from None
+
+
+def run_lm_eval(model: Any, tokenizer: Any, tasks: list[str], *, batch_size: int, limit: int | None,
+                include_path: str | None) -> dict[str, dict[str, Any]]:
+    """``{task: {metric: value}}`` from ``lm_eval.simple_evaluate`` on the loaded model."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    if include_path and not Path(include_path).expanduser().is_dir():
+        raise ConfigError(f"--include-path {include_path!r} is not a directory of lm-eval task YAMLs")
+    manager = TaskManager(include_path=str(Path(include_path).expanduser()) if include_path else None)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ConfigError(f"lm-eval has no task {', '.join(map(repr, unknown))}; 'lm-eval ls tasks' lists them"
+                          + ("" if include_path else ", and --include-path DIR adds your own task YAMLs"))
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager)
+    results: dict[str, dict[str, Any]] = {}
+    for task, metrics in (out or {}).get("results", {}).items():
+        results[task] = {k: v for k, v in metrics.items()
+                         if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "alias"}
+    return results
+
+
+# ---------------------------------------------------------------------- output
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.4f}"
+    return str(value)
+
+
+def format_table(results: dict[str, Any]) -> str:
+    rows = [("metric", "value")]
+    rows += [(k, _fmt(v)) for k, v in results.get("metrics", {}).items()]
+    for task, metrics in results.get("lm_eval", {}).items():
+        rows += [(f"{task}/{k}", _fmt(v)) for k, v in metrics.items()]
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{r[0].ljust(width)}  {r[1]}" for r in rows]
+    lines.insert(1, "-" * width + "  " + "-" * max(len(r[1]) for r in rows))
+    return "\n".join(lines)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    from twinkle_core.commands._checkpoint import load_model, load_tokenizer, resolve_checkpoint
+
+    tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
+    if not args.data and not tasks:
+        raise ConfigError("twinkle eval needs DATA (a chat or text JSONL) and/or --tasks NAME[,NAME] (lm-eval)")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if tasks:
+        check_lm_eval()
+    ckpt = resolve_checkpoint(args.checkpoint, args.base)
+    examples = read_examples(args.data, args.limit) if args.data else []
+    tokenizer = load_tokenizer(ckpt)
+    if any("messages" in e for e in examples) and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("the data holds chats and the checkpoint's tokenizer has no chat template")
+    model = load_model(ckpt, dtype=args.dtype, device=args.device)
+    results: dict[str, Any] = {"checkpoint": str(ckpt.path), "data": args.data, "metrics": {}}
+    if examples:
+        max_length = args.max_length or int(getattr(model.config, "max_position_embeddings", 0) or 4096)
+        nll, tokens = compute_loss(model, tokenizer, examples, batch_size=args.batch_size, max_length=max_length)
+        loss = nll / tokens if tokens else float("nan")
+        metrics = {"loss": loss, "perplexity": math.exp(min(loss, 700.0)) if tokens else float("nan"),
+                   "num_examples": len(examples), "num_loss_tokens": tokens}
+        if not args.no_generate and any("messages" in e for e in examples):
+            rate, judged, predictions = exact_match(model, tokenizer, examples, batch_size=args.batch_size,
+                                                    max_new_tokens=args.max_new_tokens)
+            metrics.update(exact_match=rate, num_exact_match_examples=judged)
+            results["predictions"] = predictions
+        results["metrics"] = metrics
+    if tasks:
+        results["lm_eval"] = run_lm_eval(model, tokenizer, tasks, batch_size=args.batch_size, limit=args.limit,
+                                         include_path=args.include_path)
+    print(format_table(results))
+    if args.output:
+        path = Path(args.output).expanduser()
+        if path.parent and not path.parent.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(_json_safe(results), indent=2) + "\n")
+        print(f"twinkle: results written to {path}", file=sys.stderr)
+    return 0
+
