@@ -269,3 +269,12 @@ def test_a_recipe_without_a_strategy_gets_the_default_for_its_world_size(tmp_pat
     with pytest.raises(ConfigError, match="strategy 'accelerate' implements only the mesh dimension"):
         validate_components(recipe_from_dict({"model": {"config": TINY, "tokenizer": str(tmp_path)},
                                               "data": {"train": str(data)}, "tp_size": 2}), world_size=2)
+
+
+def test_a_recipe_mesh_without_dp_gives_dp_the_remaining_ranks():
+    assert DeviceMesh.for_job({"tp": 2}, 4) == DeviceMesh(tp=2, dp=2)  # the Megatron README's "dp (the rest)"
+    assert DeviceMesh.for_job({"tp": 2, "dp": 1}, 2) == DeviceMesh(tp=2)
+    with pytest.raises(ConfigError, match="not divisible"):
+        DeviceMesh.for_job({"tp": 2}, 3)
+    with pytest.raises(ConfigError, match="world size 4"):
+        DeviceMesh.for_job({"tp": 2, "dp": 1}, 4)  # an explicit dp is kept, and checked

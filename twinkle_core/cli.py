@@ -240,7 +240,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         if recipe.mesh and launching:
             from twinkle_core.mesh import DeviceMesh
 
-            DeviceMesh(**recipe.mesh).validate(args.nproc_per_node * args.nnodes)
+            DeviceMesh.for_job(dict(recipe.mesh), args.nproc_per_node * args.nnodes)
     # imports torch and the backend: option typos, a wrong adapter key and an impossible model / strategy / mesh
     # fail here once, instead of on every rank after torchrun started (and a dry run checks all of it)
     with timer.phase("validate"):

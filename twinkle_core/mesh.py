@@ -103,6 +103,15 @@ class DeviceMesh:
             sizes["dp"] = world // others
         return cls(**sizes).validate(world)
 
+    @classmethod
+    def for_job(cls, sizes: dict[str, int], world_size: int | None = None) -> DeviceMesh:
+        """A recipe's mesh for a job of ``world_size`` ranks (default ``WORLD_SIZE``): when it names neither ``dp``
+        nor ``fsdp``, ``dp`` takes the remaining ranks (``mesh: {tp: 2}`` on 4 ranks is tp=2 x dp=2)."""
+        if {"dp", "fsdp"} & set(sizes):
+            mesh = cls(**sizes)
+            return mesh if world_size is None else mesh.validate(world_size)
+        return cls.infer(world_size, **sizes)
+
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 

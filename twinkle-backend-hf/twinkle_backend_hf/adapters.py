@@ -142,8 +142,10 @@ def _file_key(full_name: str, name: str) -> str:
     return full_name.replace(f".{name}.", ".", 1)
 
 
-def save_adapter(module: torch.nn.Module, name: str, state_dict: dict[str, torch.Tensor], directory: str) -> None:
-    """Write ``adapter_model.safetensors`` + ``adapter_config.json`` that ``PeftModel.from_pretrained`` loads."""
+def save_adapter(module: torch.nn.Module, name: str, state_dict: dict[str, torch.Tensor], directory: str,
+                 task_type: str | None = None) -> None:
+    """Write ``adapter_model.safetensors`` + ``adapter_config.json`` that ``PeftModel.from_pretrained`` loads (and,
+    with ``task_type`` such as ``CAUSAL_LM``, ``peft.AutoPeftModelForCausalLM``, which infers its class from it)."""
     from safetensors.torch import save_file
 
     tensors = {_file_key(k, name): v.detach().cpu().contiguous() for k, v in state_dict.items()}
@@ -155,8 +157,10 @@ def save_adapter(module: torch.nn.Module, name: str, state_dict: dict[str, torch
     base = getattr(module.get_base_model().config, "_name_or_path", None)
     if base and not saved.get("base_model_name_or_path"):
         saved["base_model_name_or_path"] = base
-        with open(os.path.join(directory, "adapter_config.json"), "w") as fh:
-            json.dump(saved, fh, indent=2)
+    if task_type and not saved.get("task_type"):
+        saved["task_type"] = task_type
+    with open(os.path.join(directory, "adapter_config.json"), "w") as fh:
+        json.dump(saved, fh, indent=2)
 
 
 def load_adapter_state(module: torch.nn.Module, name: str, directory: str) -> dict[str, torch.Tensor]:

@@ -185,7 +185,9 @@ class TransformersModel(TorchTwinkleModel):
     # ------------------------------------------------------------------ disk
     def _export(self, directory: str, state_dict: dict[str, torch.Tensor], adapter_name: str | None) -> None:
         if adapter_name is not None:
-            adapters.save_adapter(self.module, adapter_name, state_dict, directory)
+            causal = getattr(self.task, "model_kind", "causal_lm") == "causal_lm"
+            adapters.save_adapter(self.module, adapter_name, state_dict, directory,
+                                  task_type="CAUSAL_LM" if causal else None)
         else:
             self.hf_model.save_pretrained(directory, state_dict={k: v.detach().cpu() for k, v in state_dict.items()},
                                           safe_serialization=True)

@@ -474,11 +474,18 @@ class TorchTwinkleModel(TwinkleModel):
         validate_name("adapter name", adapter_name)
         if adapter_name in self._adapters:
             raise ConfigError(f"adapter name {adapter_name!r} is already in use")
+        if hasattr(torch.nn.Module, adapter_name):  # PEFT keeps each adapter as a module attribute of that name
+            raise ConfigError(f"adapter name {adapter_name!r} is the name of a torch.nn.Module attribute, which "
+                              f"PEFT cannot use for an adapter; choose another (e.g. 'tenant_{adapter_name}')")
         if self._wrapped is not None and self._wrapped is not self.module:
             raise ConfigError("add adapters before the first forward or set_optimizer: the strategy has already "
                               "wrapped the model")
         self._parameter_cache.clear()
         self._add_adapter(adapter_name, config, **kwargs)
+        if self._wrapped is not None and self._wrapped is not self.module:
+            # the strategy's wrapping was the module itself (save() or get_state_dict() asked for it, nothing ran
+            # yet): it is redone around the module with its new adapter on first use
+            self._wrapped = None
         self._adapters[adapter_name] = config
         self._states[adapter_name] = self._new_state(adapter_name)
 

@@ -275,7 +275,7 @@ class Trainer:
         if r.mesh:
             from twinkle_core.mesh import DeviceMesh
 
-            mesh = DeviceMesh(**r.mesh)
+            mesh = DeviceMesh.for_job(dict(r.mesh))
         self.mesh = mesh
         self.model = model_cls(
             model_id=self.model_dir,
