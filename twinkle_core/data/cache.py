@@ -66,10 +66,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
         value = getattr(tokenizer, attr, None)
         if value is None or isinstance(value, (str, int, float, bool)):
             parts[attr] = value
-    try:
-        parts["special"] = json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str)
-    except Exception:  # pragma: no cover
-        pass
+    parts["special"] = json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str)
     return _hash_bytes(json.dumps(parts, sort_keys=True, default=str).encode("utf-8"))
 
 
