@@ -1,0 +1,1 @@
+"""Twinkle task plugin: vision-language model training (the ``vlm`` task)."""
