@@ -12,7 +12,7 @@ import os
 import nox
 
 nox.options.default_venv_backend = "none"
-nox.options.sessions = ["lint", "core", "hf", "megatron", "embedding", "rl", "conformance"]
+nox.options.sessions = ["lint", "core", "hf", "megatron", "npu", "embedding", "rl", "vlm", "conformance"]
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
@@ -64,6 +64,19 @@ def megatron(session: nox.Session) -> None:
 
 
 @nox.session
+def npu(session: nox.Session) -> None:
+    """twinkle-backend-npu on the CPU, through the fake torch_npu in twinkle_backend_npu.testing: accelerator
+    selection and refusals, HCCL setup, kernel swaps, and the conformance suite on the fake NPU (1 rank and ddp)."""
+    _pytest(session, "twinkle-backend-npu/tests", "-m", "not slow")
+
+
+@nox.session
+def vlm(session: nox.Session) -> None:
+    """plugins/twinkle-vlm: data formats, the vlm task, per-part training, strategies, export, the quickstart."""
+    _pytest(session, "plugins/twinkle-vlm/tests", "-m", "not slow")
+
+
+@nox.session
 def embedding(session: nox.Session) -> None:
     _pytest(session, "plugins/twinkle-embedding/tests", "-m", "not slow")
 
@@ -96,7 +109,8 @@ def conformance_distributed(session: nox.Session, target: str) -> None:
 def parity(session: nox.Session, threads: str) -> None:
     """The parity tests with THREADS threads per process (CI runs both through scripts/test.sh)."""
     _bootstrap(session)
-    session.run(*PYTEST, "tests", "twinkle-backend-hf/tests", "twinkle-backend-megatron/tests", "plugins",
+    session.run(*PYTEST, "tests", "twinkle-backend-hf/tests", "twinkle-backend-megatron/tests",
+                "twinkle-backend-npu/tests", "plugins",
                 "-m", "parity and not slow", *session.posargs, env={**ENV, "TWINKLE_TEST_THREADS": threads},
                 external=True, success_codes=[0])
 
@@ -104,7 +118,7 @@ def parity(session: nox.Session, threads: str) -> None:
 @nox.session
 def slow(session: nox.Session) -> None:
     """Long-running tests (quickstart accuracy, real-model fine-tuning)."""
-    _pytest(session, "tests", "twinkle-backend-hf/tests", "plugins", "-m", "slow")
+    _pytest(session, "tests", "twinkle-backend-hf/tests", "twinkle-backend-npu/tests", "plugins", "-m", "slow")
 
 
 @nox.session

@@ -1,6 +1,6 @@
 """Run every benchmark once, one after the other, and print one combined markdown table.
 
-    python bench/run_all.py            # the full set (~8-10 min on 2 idle cores)
+    python bench/run_all.py            # the full set (~15 min on 2 idle cores)
     python bench/run_all.py --quick    # smoke run of every script
     python bench/run_all.py --report   # only re-print the table from bench/results/*.json
 

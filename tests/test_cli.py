@@ -184,6 +184,8 @@ def test_dry_run_validates_everything_and_builds_nothing(tmp_path):
     assert "lr: 0.0003" in result.stdout
     assert f"output_dir: {tmp_path / 'out'}" in result.stdout
     assert "recipe OK" in result.stderr
+    # the dumped recipe leaves strategy to the default; the summary names the one that would be used
+    assert "with strategy 'single' (the default for this job)" in result.stderr
     assert not (tmp_path / "out").exists()
 
 

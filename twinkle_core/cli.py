@@ -245,13 +245,14 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     # fail here once, instead of on every rank after torchrun started (and a dry run checks all of it)
     with timer.phase("validate"):
         # the world the default strategy is chosen for: the job about to be launched, else this process's WORLD_SIZE
-        validate_components(recipe, world_size=args.nproc_per_node * args.nnodes if launching else None)
+        strategy = validate_components(recipe, world_size=args.nproc_per_node * args.nnodes if launching else None)
     if args.dry_run:
         import yaml
 
         print(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False).rstrip())
         where = f"{args.nproc_per_node * args.nnodes} processes" if launching else "this process"
-        print(f"# recipe OK; would train in {where}", file=sys.stderr)
+        chosen = "" if recipe.strategy.name else " (the default for this job)"
+        print(f"# recipe OK; would train in {where} with strategy {strategy!r}{chosen}", file=sys.stderr)
         return 0
     _configure_logging()
     if launching:

@@ -736,9 +736,10 @@ def strategy_name(recipe: Recipe, model_cls: type | None = None, world_size: int
     return recipe.strategy.name or default_strategy(model_cls, world_size)
 
 
-def validate_components(recipe: Recipe, plugins: Any = None, *, world_size: int | None = None) -> None:
+def validate_components(recipe: Recipe, plugins: Any = None, *, world_size: int | None = None) -> str:
     """Check every ``options`` mapping against the component it configures, and that the model class,
-    strategy and mesh can work together, before anything is launched or built.
+    strategy and mesh can work together, before anything is launched or built. Returns the strategy the job
+    will use (the recipe's, or the default for ``world_size`` ranks).
 
     Unlike :func:`validate_plugin_names` this imports the components (torch and the backend) and
     instantiates the task, whose own ``__init__`` validates ``task_options``.
@@ -782,6 +783,7 @@ def validate_components(recipe: Recipe, plugins: Any = None, *, world_size: int 
     _check_data_spec(recipe, task)
     if recipe.train.evaluate_options is not None:  # after model, dataset, tokenizer
         check_options(task.evaluate, recipe.train.evaluate_options, where="train.evaluate_options", positional=3)
+    return strategy
 
 
 def _check_data_spec(recipe: Recipe, task: Any) -> None:
