@@ -265,9 +265,13 @@ def test_a_recipe_with_another_frameworks_precision_name_is_told_ours(monkeypatc
         validate_plugin_names(recipe)
 
 
-def test_a_planned_distribution_is_not_sent_to_pip():
+def test_a_planned_distribution_is_not_sent_to_pip(monkeypatch):
+    from twinkle_core import catalog
     from twinkle_core.catalog import install_hint
 
+    assert install_hint("accelerator", "npu") == "pip install twinkle-backend-npu"
+    assert install_hint("task", "vlm") == "pip install twinkle-vlm"
+    monkeypatch.setattr(catalog, "PLANNED", frozenset({"twinkle-backend-npu"}))
     error = PluginNotFoundError("accelerator", "npu", ["cpu", "cuda"], install_hint("accelerator", "npu"))
     assert "pip install" not in str(error)
     assert "twinkle-backend-npu is planned but not released" in str(error)

@@ -1,22 +1,52 @@
-"""Accelerators: which device type this process trains on and which collective backend it uses."""
+"""Accelerators: which device type this process trains on and which collective backend it uses.
+
+An :class:`Accelerator` is the one place that knows a vendor's device runtime (``torch.cuda``,
+``torch.npu`` ...). Everything else in Twinkle asks it: the device of this rank, the collective
+backend, the device RNG state a checkpoint keeps, memory statistics, synchronisation, the autocast
+device type, and why it cannot run here. A vendor plugin subclasses it and registers it through
+``twinkle_register_accelerators``; nothing in the core names a vendor outside this module.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 
 class Accelerator(ABC):
-    """One kind of device. Subclasses are small; the core ships ``cpu`` and ``cuda``."""
+    """One kind of device. Subclasses are small; the core ships ``cpu`` and ``cuda``.
+
+    The defaults describe a device without its own RNG, memory statistics or asynchronous
+    execution (the CPU); a device accelerator overrides the ones its runtime provides.
+    """
 
     name: ClassVar[str] = ""
-    device_type: ClassVar[str] = ""
+    device_type: str = ""  # a ClassVar in the built-ins; a plugin may resolve it per instance
     dist_backend: ClassVar[str] = ""
 
     @classmethod
     @abstractmethod
     def is_available(cls) -> bool: ...
+
+    @classmethod
+    def why_unavailable(cls, probe: bool = True) -> str | None:
+        """Why this accelerator cannot run here, as a sentence naming the fix; ``None`` when it can.
+
+        With ``probe=False`` only checks that import nothing heavy run (``twinkle plugins`` must
+        stay fast and torch-free); ``None`` then means "nothing cheap rules it out".
+        """
+        if not probe:
+            return None
+        return None if cls.is_available() else f"{cls.name} is not available on this machine"
+
+    def configure_distributed_env(self, timeout_s: float) -> None:
+        """Set the vendor's environment for collectives before the process group starts.
+
+        ``timeout_s`` is the core's collective timeout (:data:`twinkle_core.distributed.DEFAULT_TIMEOUT_S`).
+        Implementations never override a variable the user already set.
+        """
 
     def device(self, local_rank: int | None = None) -> Any:
         import torch
@@ -28,6 +58,34 @@ class Accelerator(ABC):
 
     def set_device(self, local_rank: int | None = None) -> None:
         """Bind this process to its device (no-op on CPU)."""
+
+    @property
+    def autocast_device_type(self) -> str:
+        """The ``device_type`` argument of ``torch.autocast`` / ``torch.amp.GradScaler`` on this accelerator."""
+        return self.device_type
+
+    # ------------------------------------------------------------------ device RNG
+    def get_rng_state(self) -> Any:
+        """The device RNG state a checkpoint keeps (``None``: no RNG beyond torch's CPU generator)."""
+        return None
+
+    def set_rng_state(self, state: Any) -> None:
+        """Restore what :meth:`get_rng_state` returned."""
+
+    # ------------------------------------------------------------------ memory and sync
+    def synchronize(self) -> None:
+        """Wait for this device's queued work (timings, memory readings)."""
+
+    def memory_allocated(self) -> int | None:
+        """Bytes of device memory held by tensors now (``None``: the device keeps no statistics)."""
+        return None
+
+    def max_memory_allocated(self) -> int | None:
+        """Peak of :meth:`memory_allocated` since the last :meth:`reset_peak_memory_stats`."""
+        return None
+
+    def reset_peak_memory_stats(self) -> None:
+        """Start a new peak for :meth:`max_memory_allocated`."""
 
     def supports_bf16(self) -> bool:
         return True
@@ -56,18 +114,60 @@ class CUDAAccelerator(Accelerator):
 
     @classmethod
     def is_available(cls) -> bool:
-        import importlib.util
-
         if importlib.util.find_spec("torch") is None:
             return False
         import torch
 
         return torch.cuda.is_available()
 
+    @classmethod
+    def why_unavailable(cls, probe: bool = True) -> str | None:
+        if importlib.util.find_spec("torch") is None:
+            return "torch is not installed (pip install torch)"
+        if not probe:
+            return None
+        import torch
+
+        if torch.version.cuda is None:
+            return f"this torch build ({torch.__version__}) has no CUDA support; install a CUDA build of torch"
+        if not torch.cuda.is_available():
+            return "no CUDA device is visible (check nvidia-smi, the driver and CUDA_VISIBLE_DEVICES)"
+        return None
+
     def set_device(self, local_rank: int | None = None) -> None:
         import torch
 
         torch.cuda.set_device(self.device(local_rank))
+
+    def get_rng_state(self) -> Any:
+        import torch
+
+        return torch.cuda.get_rng_state_all()
+
+    def set_rng_state(self, state: Any) -> None:
+        import torch
+
+        torch.cuda.set_rng_state_all(state)
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+    def memory_allocated(self) -> int | None:
+        import torch
+
+        return torch.cuda.memory_allocated()
+
+    def max_memory_allocated(self) -> int | None:
+        import torch
+
+        return torch.cuda.max_memory_allocated()
+
+    def reset_peak_memory_stats(self) -> None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
 
     def supports_bf16(self) -> bool:
         import torch
@@ -87,10 +187,59 @@ class CUDAAccelerator(Accelerator):
 
 
 def current_accelerator() -> Accelerator:
-    """The accelerator the plugins detect on this machine (``TWINKLE_ACCELERATOR`` overrides)."""
+    """The accelerator the plugins detect on this machine (``TWINKLE_ACCELERATOR`` overrides).
+
+    A forced accelerator that cannot run here is an error naming why (its ``why_unavailable``),
+    not a crash later on. The accelerator's distributed environment is configured before it is
+    returned, so the process group a strategy starts next sees it.
+    """
+    from twinkle_core.distributed import DEFAULT_TIMEOUT_S
+    from twinkle_core.errors import UnsupportedHardwareError
     from twinkle_core.plugins import get_plugins
 
     plugins = get_plugins()
     forced = os.environ.get("TWINKLE_ACCELERATOR")
     record = plugins.get("accelerator", forced) if forced else plugins.select_accelerator()
-    return record.load()()
+    cls = plugins.load_record("accelerator", record)
+    if forced:
+        reason = cls.why_unavailable()
+        if reason is not None:
+            raise UnsupportedHardwareError(f"TWINKLE_ACCELERATOR={forced} cannot be used: {reason}")
+    accelerator = cls()
+    accelerator.configure_distributed_env(DEFAULT_TIMEOUT_S)
+    return accelerator
+
+
+def accelerator_statuses(plugins: Any = None, probe: bool = False) -> list[dict[str, Any]]:
+    """For ``twinkle plugins``: each registered accelerator, whether it is active, and why not.
+
+    ``status`` is ``active`` (what training would use), ``available``, ``not active`` (with
+    ``reason``), or ``not probed`` (``probe=False`` and nothing cheap ruled it out: finding out needs
+    torch and the device runtime, which the fast listing does not import).
+    """
+    from twinkle_core.errors import TwinkleError
+    from twinkle_core.plugins import PLUGIN_FAULTS, get_plugins
+
+    plugins = plugins if plugins is not None else get_plugins()
+    active = None
+    if probe:
+        forced = os.environ.get("TWINKLE_ACCELERATOR")
+        try:
+            active = forced or plugins.select_accelerator().name
+        except PLUGIN_FAULTS:  # the per-accelerator reasons below say why nothing is selected
+            active = None
+    statuses = []
+    for name in plugins.names("accelerator"):
+        try:
+            cls = plugins.load("accelerator", name)
+            reason = cls.why_unavailable(probe=probe)
+        except (TwinkleError, *PLUGIN_FAULTS) as exc:  # a broken plugin is reported in the listing
+            reason = f"cannot be checked: {type(exc).__name__}: {exc}"
+        if reason is not None:
+            status = "not active"
+        elif not probe:
+            status = "not probed"
+        else:
+            status = "active" if name == active else "available"
+        statuses.append({"name": name, "status": status, "reason": reason})
+    return statuses

@@ -60,7 +60,7 @@ EXTRAS: dict[str, str] = {
 
 
 #: distributions named above that do not exist yet: the hint says so instead of sending users to pip
-PLANNED = frozenset({_NPU, "twinkle-vlm"})
+PLANNED: frozenset[str] = frozenset()
 
 
 def install_hint(kind: str, name: str) -> str | None:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from twinkle_core import distributed
+from twinkle_core.accelerator import Accelerator, current_accelerator
 from twinkle_core.errors import TwinkleError
 
 logger = logging.getLogger(__name__)
@@ -279,8 +280,12 @@ def prune_checkpoints(output_dir: str | os.PathLike[str], limit: int | None) -> 
     return removed
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """The python, numpy and torch RNG states as tensors and plain types (loadable with ``weights_only=True``)."""
+def capture_rng_state(accelerator: Accelerator | None = None) -> dict[str, Any]:
+    """The python, numpy, torch and device RNG states as tensors and plain types (loadable with ``weights_only=True``).
+
+    The device state is the accelerator's (default: :func:`~twinkle_core.accelerator.current_accelerator`),
+    stored under its name (``cuda``, ``npu`` ...) when it has one.
+    """
     import numpy as np
     import torch
 
@@ -293,12 +298,15 @@ def capture_rng_state() -> dict[str, Any]:
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    accelerator = accelerator if accelerator is not None else current_accelerator()
+    device_state = accelerator.get_rng_state()
+    if device_state is not None:
+        state[accelerator.name] = device_state
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
+def restore_rng_state(state: dict[str, Any], accelerator: Accelerator | None = None) -> None:
+    """Undo :func:`capture_rng_state`; a device state saved by another accelerator is left alone."""
     import numpy as np
     import torch
 
@@ -308,5 +316,6 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((numpy["bit_generator"], numpy["keys"].numpy().astype(np.uint32), numpy["pos"],
                          numpy["has_gauss"], numpy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    accelerator = accelerator if accelerator is not None else current_accelerator()
+    if accelerator.name in state:
+        accelerator.set_rng_state(state[accelerator.name])

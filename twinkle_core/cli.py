@@ -3,7 +3,7 @@
 ::
 
     twinkle --version
-    twinkle plugins [--json]
+    twinkle plugins [--json] [--probe]
     twinkle chat CHECKPOINT [--prompt TEXT] [--system TEXT] [--temperature T] [--top-p P] [--max-new-tokens N]
     twinkle export CHECKPOINT --output DIR [--merge-lora] [--max-shard-size 2GB] [--push-to-hub REPO_ID]
     twinkle eval CHECKPOINT [DATA] [--output results.json] [--tasks NAME,...]
@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                                description="List the installed Twinkle plugins (entry-point group 'twinkle'), "
                                            "what each registers, and the plugins that failed to load.")
     p_plugins.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p_plugins.add_argument("--probe", action="store_true",
+                           help="also import torch and each accelerator's runtime to tell which one is active")
 
     p_train = sub.add_parser(
         "train", help="train from a YAML recipe",
@@ -89,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------- plugins
-def collect_plugins(plugins: Any = None) -> dict[str, Any]:
-    """What ``twinkle plugins`` shows, as plain data."""
+def collect_plugins(plugins: Any = None, probe: bool = False) -> dict[str, Any]:
+    """What ``twinkle plugins`` shows, as plain data (``probe``: check the accelerators' devices too)."""
+    from twinkle_core.accelerator import accelerator_statuses
     from twinkle_core.plugins import PLUGIN_FAULTS, get_plugins
     from twinkle_core.records import KINDS
 
@@ -124,6 +127,7 @@ def collect_plugins(plugins: Any = None) -> dict[str, Any]:
                        "module": info.module, "registers": registers.get(name, {})})
     return {
         "plugins": listed,
+        "accelerators": accelerator_statuses(plugins, probe=probe),
         "failures": [{"name": f.name, "distribution": f.distribution, "reason": f.reason} for f in plugins.failures],
         "problems": problems,
         "disabled": sorted(plugins.disabled),
@@ -145,6 +149,15 @@ def format_plugins(data: dict[str, Any]) -> str:
     for row, more in zip(rows, extra_lines, strict=True):
         lines.append("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:3])) + "  " + row[3])
         lines.extend(" " * indent + text for text in more)
+    if data.get("accelerators"):
+        lines.append("")
+        probed = all(a["status"] != "not probed" for a in data["accelerators"])
+        lines.append("accelerators:" if probed else "accelerators (twinkle plugins --probe imports torch to check "
+                                                    "the devices):")
+        width = max(len(a["name"]) for a in data["accelerators"])
+        for acc in data["accelerators"]:
+            why = f": {acc['reason']}" if acc["reason"] else ""
+            lines.append(f"  {acc['name'].ljust(width)}  {acc['status']}{why}")
     if not data["autoload"]:
         lines.append("")
         lines.append("entry-point autoloading is off (TWINKLE_DISABLE_PLUGIN_AUTOLOAD); only built-ins and "
@@ -170,7 +183,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
     # failures are part of the listing below; do not also print them as stray warnings
     logging.getLogger("twinkle.plugins").addHandler(logging.NullHandler())
-    data = collect_plugins()
+    data = collect_plugins(probe=args.probe)
     if args.json:
         print(json.dumps(data, indent=2))
     else:

@@ -31,7 +31,11 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
-def init_process_group(backend: str, timeout_s: float = 600.0) -> bool:
+#: the collective timeout every process group gets; vendor accelerators derive their own timeouts from it
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def init_process_group(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """Join the job started by torchrun (no-op for one process or when already joined)."""
     import torch.distributed as dist
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from twinkle_core.records import (
         AcceleratorRecord,
         ConformanceTarget,
+        KernelRecord,
         LossRecord,
         MetricRecord,
         ModelRecord,
@@ -239,6 +240,23 @@ def twinkle_register_trackers() -> Iterable[TrackerRecord]:
         @hookimpl
         def twinkle_register_trackers():
             yield TrackerRecord("comet", "my_pkg.tracking:CometTracker", "Comet ML (pip install comet_ml)")
+    """
+
+
+@hookspec
+def twinkle_register_kernels() -> Iterable[KernelRecord]:
+    """Register fused kernels: replacements the model applies for the active accelerator when it is built.
+
+    A recipe turns one off with ``model.options.kernels: {npu_rms_norm: false}`` (all: ``kernels: false``);
+    :mod:`twinkle_core.kernels` describes the ``replaces`` forms and how a CUDA plugin registers the same way.
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_kernels():
+            yield KernelRecord("npu_rms_norm", "twinkle_backend_npu.kernels.rms_norm:forward",
+                               accelerators=("npu",),
+                               replaces=("module:transformers.models.llama.modeling_llama:LlamaRMSNorm",))
     """
 
 

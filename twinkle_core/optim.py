@@ -17,8 +17,12 @@ IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 
 
 def build_optimizer(spec: Any, parameters: list[torch.nn.Parameter], *, implementation: str = "auto",
-                    **kwargs: Any) -> torch.optim.Optimizer:
+                    accelerator: str | None = None, kernels: Any = None, **kwargs: Any) -> torch.optim.Optimizer:
     """``spec``: a registered name (``"AdamW"``), an ``Optimizer`` subclass, or an instance (returned as is).
+
+    A name that a kernel plugin replaces on ``accelerator`` (``"optimizer:AdamW"`` in a
+    :class:`~twinkle_core.records.KernelRecord`, e.g. ``NpuFusedAdamW`` on ``npu``) builds that class, unless the
+    ``kernels`` switch turns the kernel off (:mod:`twinkle_core.kernels`).
 
     ``implementation`` picks the kernel of a torch optimizer that has several: ``auto`` (the default) takes the
     fused kernel where torch has one for every parameter's device and dtype, else the foreach one where the
@@ -34,9 +38,11 @@ def build_optimizer(spec: Any, parameters: list[torch.nn.Parameter], *, implemen
                               f"pass one or the other")
         return spec
     if isinstance(spec, str):
+        from twinkle_core.kernels import optimizer_class
         from twinkle_core.plugins import get_plugins
 
-        spec = get_plugins().load("optimizer", spec)
+        replacement = optimizer_class(spec, accelerator, kernels) if accelerator else None
+        spec = replacement or get_plugins().load("optimizer", spec)
     if inspect.isclass(spec) and issubclass(spec, torch.optim.Optimizer):
         if not parameters:
             raise ConfigError("the optimizer has no trainable parameters: add an adapter or unfreeze the model")

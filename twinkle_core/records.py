@@ -135,6 +135,23 @@ class TrackerRecord(PluginRecord):
 
 
 @dataclass(frozen=True)
+class KernelRecord(PluginRecord):
+    """A device-conditional replacement applied to the network when it is built (:mod:`twinkle_core.kernels`).
+
+    ``accelerators``: the accelerator names it applies to (``("npu",)``); ``replaces``: what it replaces, as
+    ``"module:<pkg.mod>:<Class>"`` (``impl`` is a ``forward`` bound onto every instance of that class),
+    ``"function:<pkg.mod>:<name>"`` (``impl`` takes the function's place while the model runs),
+    ``"model"`` (``impl`` is ``apply(network) -> int``, e.g. an attention function) or
+    ``"optimizer:<Name>"`` (``impl`` is the ``Optimizer`` class ``set_optimizer("<Name>")`` builds).
+    """
+
+    accelerators: tuple[str, ...] = ()
+    replaces: tuple[str, ...] = ()
+    kind: ClassVar[str] = "kernel"
+    register_hook: ClassVar[str] = "twinkle_register_kernels"
+
+
+@dataclass(frozen=True)
 class ConformanceTarget(PluginRecord):
     """A factory the conformance suite calls to build a tiny model of one backend.
 
@@ -163,6 +180,7 @@ RECORD_TYPES: tuple[type[PluginRecord], ...] = (
     SamplerRecord,
     RewardRecord,
     TrackerRecord,
+    KernelRecord,
     ConformanceTarget,
 )
 KINDS: dict[str, type[PluginRecord]] = {r.kind: r for r in RECORD_TYPES}

@@ -114,8 +114,9 @@ class MegatronStrategy(Strategy):
 
     # ------------------------------------------------------------------ process groups
     def setup(self, accelerator: Accelerator) -> None:
-        from twinkle_backend_megatron import compat
+        from twinkle_backend_megatron import ascend, compat
 
+        ascend.prepare_megatron(accelerator)  # on npu MindSpeed must patch megatron-core before its first import
         self.accelerator = accelerator
         if accelerator.device_type == "cpu":
             self.cpu_layer = compat.apply()

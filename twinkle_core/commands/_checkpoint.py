@@ -91,11 +91,12 @@ def torch_dtype(name: str | None) -> Any:
 
 
 def default_device(device: str | None = None) -> str:
+    """``device`` when given, else the active accelerator's device (cuda:0, npu:0, ... or cpu)."""
     if device:
         return device
-    import torch
+    from twinkle_core.accelerator import current_accelerator
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(current_accelerator().device())
 
 
 def _trust_remote_code() -> bool:

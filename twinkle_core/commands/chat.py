@@ -29,7 +29,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature > 0; default 1)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit (default 256)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--device", help="a torch device such as cpu, cuda:1 or npu:0 (default: the active "
+                                    "accelerator's device, see twinkle plugins)")
     add_checkpoint_arguments(p)
 
 

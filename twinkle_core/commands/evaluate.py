@@ -45,7 +45,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-generate", action="store_true", help="loss and perplexity only (no exact match)")
     p.add_argument("--tasks", metavar="NAME[,NAME]", help="lm-eval tasks to run (needs: pip install lm-eval)")
     p.add_argument("--include-path", metavar="DIR", help="a directory of lm-eval task YAMLs (with --tasks)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    p.add_argument("--device", help="a torch device such as cpu, cuda:1 or npu:0 (default: the active "
+                                    "accelerator's device, see twinkle plugins)")
     add_checkpoint_arguments(p)
 
 

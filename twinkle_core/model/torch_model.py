@@ -30,6 +30,7 @@ from twinkle_core import checkpoint
 from twinkle_core.accelerator import current_accelerator
 from twinkle_core.capabilities import check_compatible
 from twinkle_core.errors import ConfigError
+from twinkle_core.kernels import KernelSwitch, apply_kernels
 from twinkle_core.loss.base import CallableLoss, Loss, LossOutput, accepts_context
 from twinkle_core.mesh import DeviceMesh, default_strategy, merge_spec_sizes, pop_spec_sizes, suggest_spec_key
 from twinkle_core.metrics import LossMetric, Metric
@@ -84,7 +85,8 @@ class TorchTwinkleModel(TwinkleModel):
 
     def __init__(self, *, strategy: str | Strategy | None = None, strategy_options: dict[str, Any] | None = None,
                  mesh: DeviceMesh | dict[str, int] | None = None, precision: str | Precision = "no",
-                 task: Any = None, tokenizer: Any = None, seed: int = 42, **unused: Any) -> None:
+                 task: Any = None, tokenizer: Any = None, seed: int = 42, kernels: KernelSwitch = None,
+                 **unused: Any) -> None:
         # the spec's names (tp_size=2, pp_size, dp_size, ep_size, sequence_parallel=N, ...) are the mesh's sizes
         sizes, tp_sequence_parallel = pop_spec_sizes(unused)
         if unused:
@@ -118,6 +120,9 @@ class TorchTwinkleModel(TwinkleModel):
         self.seed = seed
         torch.manual_seed(seed)  # identical initial weights on every rank
         module = self._build_module()
+        # fused kernels registered for this accelerator (twinkle_core.kernels); ``kernels`` turns them off
+        self.kernels = kernels
+        self.applied_kernels = apply_kernels(module, self.accelerator.name, kernels)
         self.module = self.precision.prepare_module(module).to(self.device)
         self._wrapped: torch.nn.Module | None = None
         self._parameter_cache: dict[str, list[torch.nn.Parameter]] = {}
@@ -451,7 +456,8 @@ class TorchTwinkleModel(TwinkleModel):
             raise ConfigError("gradient_accumulation_steps must be >= 1")
         module = self.wrapped
         parameters = self._parameters(state.name)
-        built = build_optimizer(optimizer, parameters, **kwargs)
+        built = build_optimizer(optimizer, parameters, accelerator=self.accelerator.name, kernels=self.kernels,
+                                **kwargs)
         wrapped, handle = self.strategy.prepare_optimizer(
             module, built, parameters=parameters, gradient_accumulation_steps=gradient_accumulation_steps)
         self._wrapped = wrapped

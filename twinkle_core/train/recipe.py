@@ -756,6 +756,10 @@ def validate_components(recipe: Recipe, plugins: Any = None, *, world_size: int 
     task = task_cls(**recipe.task_options)
     model_cls = plugins.load("model", recipe.model.class_name)
     check_options(model_cls, recipe.model.options, where="model.options", provided=_CONSTRUCTOR_KEYS_FROM)
+    if "kernels" in recipe.model.options:  # a kernel name no plugin registers fails before launch
+        from twinkle_core.kernels import check_switch
+
+        check_switch(recipe.model.options["kernels"], where="model.options.kernels")
     if recipe.model.adapter:
         try:
             model_cls.check_adapter_config(dict(recipe.model.adapter))
