@@ -45,6 +45,9 @@ class Task(ABC):
     #: whether ``process_outputs`` reads ``outputs["logits"]`` in training; a task that does not (it passes them
     #: through) lets a loss that applies the LM head itself skip the logits (``Loss.fuses_lm_head``)
     reads_logits: ClassVar[bool] = True
+    #: batch keys the network's forward takes besides the backend's text inputs (``input_ids``,
+    #: ``attention_mask``, ``position_ids`` ...): a vision-language model's ``pixel_values``, ``image_grid_thw``
+    model_inputs: ClassVar[tuple[str, ...]] = ()
     #: batch features this task's batches carry beyond tokens and labels (see ``Loss.requires``)
     provides: ClassVar[frozenset[str]] = frozenset()
     #: whether the trainer's evaluation computes the loss on ``data.eval`` batches; a task whose eval rows are
@@ -70,6 +73,12 @@ class Task(ABC):
 
     def prepare_model(self, model: TwinkleModel) -> None:
         """Adapt the model for the task once it is built (read its config, choose a head ...)."""
+
+    def adapter_config(self, model: TwinkleModel, config: Any) -> Any:
+        """The adapter config the model places, given the one it was asked to add (a recipe's ``model.adapter``
+        as a dict, or a backend's config object): a task that trains only parts of the network narrows the
+        targets here. The backend calls it inside ``add_adapter_to_model``, after ``prepare_model``."""
+        return config
 
     def prepare_dataset(self, model: TwinkleModel, dataset: Any, *, split: str, output_dir: str) -> Any:
         """Annotate a loaded data set with what the model computes once before training (precomputed

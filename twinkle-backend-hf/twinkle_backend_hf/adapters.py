@@ -138,7 +138,11 @@ def parameter_names(module: torch.nn.Module, name: str) -> list[str]:
 
 
 def _file_key(full_name: str, name: str) -> str:
-    """``...q_proj.lora_A.tenant.weight`` -> ``...q_proj.lora_A.weight`` (PEFT's on-disk naming)."""
+    """``...q_proj.lora_A.tenant.weight`` -> ``...q_proj.lora_A.weight`` (PEFT's on-disk naming); a trained copy of
+    a whole module (``modules_to_save``) is stored under the module's own name, as PEFT writes and reads it:
+    ``...merger.modules_to_save.tenant.mlp.0.weight`` -> ``...merger.mlp.0.weight``."""
+    if f".modules_to_save.{name}." in full_name:
+        return full_name.replace(f".modules_to_save.{name}.", ".", 1)
     return full_name.replace(f".{name}.", ".", 1)
 
 
@@ -173,6 +177,9 @@ def load_adapter_state(module: torch.nn.Module, name: str, directory: str) -> di
     result = {}
     for full_name in parameter_names(module, name):
         key = _file_key(full_name, name)
+        legacy = full_name.replace(f".{name}.", ".", 1)  # how modules_to_save copies were written before
+        if key not in on_disk and legacy in on_disk:
+            key = legacy
         if key not in on_disk:
             raise KeyError(f"adapter file {path} lacks {key}; was it saved from a different LoRA config?")
         result[full_name] = on_disk[key]

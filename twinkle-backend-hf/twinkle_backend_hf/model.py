@@ -26,7 +26,10 @@ from twinkle_core.sources import resolve
 
 #: the transformers auto class behind each ``Task.model_kind``; a ``token_value`` network has one label
 _AUTO_CLASSES = {"causal_lm": "AutoModelForCausalLM", "encoder": "AutoModel",
-                 "token_value": "AutoModelForTokenClassification"}
+                 "token_value": "AutoModelForTokenClassification",
+                 "image_text_to_text": "AutoModelForImageTextToText"}
+#: model kinds whose forward takes ``use_cache`` (training never wants a KV cache)
+_GENERATIVE_KINDS = frozenset({"causal_lm", "image_text_to_text"})
 
 #: causal LMs whose logits are exactly ``lm_head(final normed hidden states)`` (no soft-capping or scaling after
 #: the head), so a loss may apply the head itself; each is checked against its unfused logits in
@@ -152,15 +155,20 @@ class TransformersModel(TorchTwinkleModel):
         return head if type(head) is torch.nn.Linear else None  # a LoRA- or fp8-wrapped head computes more
 
     def _run_module(self, module: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
-        kwargs = {k: v for k, v in inputs.items() if k in self.model_input_keys}
-        if getattr(self.task, "model_kind", "causal_lm") == "causal_lm":
+        keys = (*self.model_input_keys, *getattr(self.task, "model_inputs", ()))
+        kwargs = {k: v for k, v in inputs.items() if k in keys}
+        if getattr(self.task, "model_kind", "causal_lm") in _GENERATIVE_KINDS:
             kwargs["use_cache"] = False
         out = module(**kwargs)
         return {k: v for k, v in out.items() if v is not None}
 
     # ------------------------------------------------------------------ adapters
     def _add_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
-        self.module = adapters.add_adapter(self.module, adapter_name, adapters.to_peft_config(config))
+        peft_config = adapters.to_peft_config(config)
+        narrow = getattr(self.task, "adapter_config", None)  # Task.adapter_config: e.g. a VLM's LoRA on its LM only
+        if narrow is not None:
+            peft_config = adapters.to_peft_config(narrow(self, peft_config))
+        self.module = adapters.add_adapter(self.module, adapter_name, peft_config)
         self.module.to(self.device)
 
     def _remove_adapter(self, adapter_name: str) -> None:
@@ -208,7 +216,8 @@ class TransformersModel(TorchTwinkleModel):
     def _describe(self) -> dict[str, Any]:
         config = self.hf_model.config
         return {"class": type(self).__name__, "model_type": config.model_type, "model_id": self.model_id,
-                "vocab_size": config.vocab_size, "attn_implementation": self.attn_implementation,
+                "vocab_size": config.get_text_config().vocab_size,  # a VLM's sits in its text config
+                "attn_implementation": self.attn_implementation,
                 "gradient_checkpointing": self.gradient_checkpointing,
                 "trust_remote_code": self.trust_remote_code}
 

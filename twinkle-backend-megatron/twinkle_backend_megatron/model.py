@@ -70,6 +70,10 @@ class MegatronModel(TorchTwinkleModel):
         if model_id is None and config is None:
             raise ConfigError("MegatronModel needs model_id= (a path, hf:// or ms:// id) or config= "
                               "(a transformers config or a dict with model_type)")
+        if getattr(kwargs.get("task"), "model_kind", None) == "image_text_to_text":
+            raise ConfigError("MegatronModel builds text-only GPT models and cannot train a vision-language model "
+                              "(the vlm task); use the HF backend: model.class_name: TransformersModel (strategies "
+                              "ddp, native_fsdp, deepspeed) or MultiLoraTransformersModel")
         # the two options every model class takes from the trainer (see twinkle_core.train.loop)
         if attn_implementation is not None:
             raise ConfigError(f"model.attn_implementation={attn_implementation!r}: MegatronModel builds megatron-core's "

@@ -1,0 +1,104 @@
+"""VLM features and their batches.
+
+A :class:`VLMFeature` is one encoded sample (or one packed row of samples): token ids and labels as in the core,
+plus what the processor returned besides ``input_ids`` / ``attention_mask``, in two kinds:
+
+* ``token_values``: one value per token (``mm_token_type_ids`` of Qwen, ``token_type_ids`` of Gemma 3), kept as
+  lists aligned with ``input_ids``;
+* ``vision``: per-image tensors (``pixel_values``, ``image_grid_thw``, ...), the images of the sample stacked on
+  dim 0 in order of appearance, exactly as the processor returns them for several images.
+
+:func:`collate_vlm` follows the core's two batch layouts (:mod:`twinkle_core.data.collate`): padded
+(``attention_mask``) or packed (``position_ids`` restarting at 0 per sample, no ``attention_mask``). Token values
+are padded with 0 (text); vision tensors of all rows are concatenated on dim 0 in row order, which is the order the
+model meets the image placeholders in the flattened batch. A batch of text-only rows has no vision keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from twinkle_core.data.formats import IGNORE_INDEX
+
+
+@dataclass
+class VLMFeature:
+    input_ids: list[int]
+    labels: list[int]
+    token_values: dict[str, list[int]] = field(default_factory=dict)
+    vision: dict[str, Any] = field(default_factory=dict)
+    num_images: int = 0
+    #: packed rows only: positions restarting at 0 at every sample
+    position_ids: list[int] | None = None
+    #: packed rows only: the samples packed into this row, in order (evaluation generates from each alone;
+    #: their vision tensors are shared objects, the row holds one concatenated copy)
+    parts: tuple[VLMFeature, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        if len(self.labels) != n or any(len(v) != n for v in self.token_values.values()):
+            raise ValueError("labels and per-token values must have one entry per token")
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return sum(1 for label in self.labels if label != IGNORE_INDEX)
+
+
+def concat_vision(features: Sequence[VLMFeature]) -> dict[str, Any]:
+    """The vision tensors of ``features`` concatenated on dim 0 (features without images contribute nothing)."""
+    import torch
+
+    with_images = [f for f in features if f.num_images]
+    if not with_images:
+        return {}
+    keys = set(with_images[0].vision)
+    for feature in with_images[1:]:
+        if set(feature.vision) != keys:
+            raise ValueError(f"samples disagree on the processor's vision outputs: {sorted(keys)} vs "
+                             f"{sorted(feature.vision)}; were they encoded by different processors?")
+    return {key: torch.cat([f.vision[key] for f in with_images], dim=0) for key in sorted(keys)}
+
+
+def collate_vlm(features: Sequence[VLMFeature], pad_token_id: int, pad_to_multiple_of: int | None = None) -> dict[str, Any]:
+    """Right-pad ``features`` into one batch (see the module doc)."""
+    import torch
+
+    if not features:
+        raise ValueError("cannot collate an empty list of features")
+    packed = any(f.position_ids is not None for f in features)
+    length = max(len(f.input_ids) for f in features)
+    if pad_to_multiple_of:
+        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+    batch = len(features)
+    input_ids = torch.full((batch, length), int(pad_token_id), dtype=torch.long)
+    labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
+    keys = sorted({k for f in features for k in f.token_values})
+    token_values = {k: torch.zeros((batch, length), dtype=torch.long) for k in keys}
+    out: dict[str, Any] = {"input_ids": input_ids, "labels": labels}
+    if packed:
+        positions = out["position_ids"] = torch.zeros((batch, length), dtype=torch.long)
+    else:
+        mask = out["attention_mask"] = torch.zeros((batch, length), dtype=torch.long)
+    for row, feature in enumerate(features):
+        n = len(feature.input_ids)
+        input_ids[row, :n] = torch.tensor(feature.input_ids, dtype=torch.long)
+        labels[row, :n] = torch.tensor(feature.labels, dtype=torch.long)
+        for key in keys:
+            # a text-only row has no per-token values: all text (0)
+            if key in feature.token_values:
+                token_values[key][row, :n] = torch.tensor(feature.token_values[key], dtype=torch.long)
+        if packed:
+            own = feature.position_ids if feature.position_ids is not None else list(range(n))
+            positions[row, :n] = torch.tensor(own, dtype=torch.long)
+            start = own[-1] + 1 if n else 0  # padding continues the last sample (core packed layout)
+            positions[row, n:] = torch.arange(start, start + length - n, dtype=torch.long)
+        else:
+            mask[row, :n] = 1
+    out.update(token_values)
+    out.update(concat_vision(features))
+    return out
+
+
+__all__ = ["VLMFeature", "collate_vlm", "concat_vision"]

@@ -1,0 +1,196 @@
+"""VLM data rows: two formats read into one :class:`VLMSample`, validated before training.
+
+Accepted rows (JSONL, JSON, or anything the core's data specs read):
+
+* typed content parts::
+
+    {"messages": [{"role": "user", "content": [{"type": "image", "image": "imgs/cat.png"},
+                                               {"type": "text", "text": "What is this?"}]},
+                  {"role": "assistant", "content": "A cat."}]}
+
+* LLaMA-Factory / ms-swift style, ``<image>`` placeholders in the text, images listed in order::
+
+    {"messages": [{"role": "user", "content": "<image>What is this?"},
+                  {"role": "assistant", "content": "A cat."}], "images": ["imgs/cat.png"]}
+
+ShareGPT ``conversations`` (``from`` / ``value``) and a top-level ``system`` work as in the core. Relative image
+paths are relative to the directory of the data file (to the working directory for rows given in code). A row
+without images is a text-only sample. Images belong to user / system turns: the model cannot be trained to
+produce one.
+
+Every row is checked before any training (the last message must be the assistant's, placeholders match the
+images, every image exists and decodes); all problems are collected and raised together as one
+:class:`VLMDataError` naming file, line and reason of each (the first :data:`MAX_REPORTED`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from twinkle_core.data.formats import ROLES, RowError, normalize_conversation
+from twinkle_core.data.mixing import Record, is_data_spec, load_spec, parse_sources
+from twinkle_core.errors import DataFormatError
+from twinkle_vlm.images import image_problem
+
+#: the placeholder of the LLaMA-Factory / ms-swift format
+IMAGE_PLACEHOLDER = "<image>"
+#: how many problems one error message lists
+MAX_REPORTED = 20
+
+_PLACEHOLDER_SPLIT = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)})")
+
+
+@dataclass
+class VLMSample:
+    """One conversation: messages with typed content parts (``{"type": "text", "text"}`` / ``{"type": "image"}``,
+    the form processors' chat templates read) and the absolute paths of its images in order of appearance."""
+
+    messages: list[dict[str, Any]]
+    images: list[str]
+    source: str = "<rows>"
+    line: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class VLMDataError(DataFormatError):
+    """Several rows are bad; ``problems`` lists ``(file, line, reason)`` of each one found."""
+
+    def __init__(self, problems: list[tuple[str, int | None, str]]) -> None:
+        first_path, first_line, first_reason = problems[0]
+        super().__init__(first_path, first_line, first_reason)
+        self.problems = problems
+        shown = [f"{path}:{line}: {reason}" if line is not None else f"{path}: {reason}"
+                 for path, line, reason in problems[:MAX_REPORTED]]
+        more = len(problems) - len(shown)
+        head = f"{len(problems)} problem(s) in the VLM data; fix them before training:"
+        self.args = ("\n  ".join([head, *shown]) + (f"\n  ... and {more} more" if more > 0 else ""),)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _text_part(text: Any, where: str) -> dict[str, Any]:
+    if not isinstance(text, str):
+        raise RowError(f"{where}: a text part needs a string 'text', got {type(text).__name__}")
+    return {"type": "text", "text": text}
+
+
+def _typed_parts(content: list[Any], where: str, images: list[str]) -> list[dict[str, Any]]:
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping) or "type" not in part:
+            raise RowError(f"{where} part {j} must be an object with 'type' ('text' or 'image')")
+        if part["type"] == "text":
+            parts.append(_text_part(part.get("text"), f"{where} part {j}"))
+        elif part["type"] == "image":
+            path = part.get("image", part.get("path"))
+            if not isinstance(path, str) or not path:
+                raise RowError(f"{where} part {j}: an image part needs the file path in 'image'")
+            images.append(path)
+            parts.append({"type": "image"})
+        else:
+            raise RowError(f"{where} part {j} has unknown type {part['type']!r}; expected 'text' or 'image'")
+    return parts
+
+
+def _placeholder_parts(content: str, listed: list[str], images: list[str]) -> list[dict[str, Any]]:
+    parts = []
+    for piece in _PLACEHOLDER_SPLIT.split(content):
+        if piece == IMAGE_PLACEHOLDER:
+            # a missing entry is reported once for the whole row (placeholder count vs images)
+            images.append(listed[len(images)] if len(images) < len(listed) else "")
+            parts.append({"type": "image"})
+        elif piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def parse_row(row: Any, base_dir: str) -> VLMSample:
+    """A row -> :class:`VLMSample` (paths made absolute, files not yet opened); raises :class:`RowError`."""
+    messages, extra = normalize_conversation(row)
+    listed = extra.pop("images", None)
+    if listed is not None and (not isinstance(listed, list) or not all(isinstance(p, str) for p in listed)):
+        raise RowError("'images' must be a list of file paths")
+    listed = listed or []
+    images: list[str] = []
+    typed_images = placeholders = 0
+    parsed = []
+    for i, message in enumerate(messages):
+        where = f"message {i}"
+        if not isinstance(message, Mapping) or message.get("role") not in ROLES:
+            raise RowError(f"{where} must be an object with a 'role' in {', '.join(ROLES)}")
+        content = message.get("content")
+        before = len(images)
+        if isinstance(content, str):
+            parts = _placeholder_parts(content, listed, images)
+            placeholders += len(images) - before
+        elif isinstance(content, list):
+            parts = _typed_parts(content, where, images)
+            typed_images += len(images) - before
+        else:
+            raise RowError(f"{where} ({message['role']}) content must be a string or a list of parts")
+        if len(images) > before and message["role"] == "assistant":
+            raise RowError(f"{where} is the assistant's and holds an image; images belong to user or system turns")
+        parsed.append({"role": message["role"], "content": parts})
+    if parsed[-1]["role"] != "assistant":
+        raise RowError(f"the last message must be from the assistant for SFT, got {parsed[-1]['role']!r}")
+    if typed_images and listed:
+        raise RowError("the row has both image parts and an 'images' list; use one of the two formats")
+    if placeholders != len(listed):
+        raise RowError(f"{placeholders} {IMAGE_PLACEHOLDER} placeholder(s) in the messages but {len(listed)} "
+                       "image(s) in 'images'; they must match one to one")
+    paths = [os.path.normpath(os.path.join(base_dir, p)) for p in images]
+    return VLMSample(messages=parsed, images=paths, extra=extra)
+
+
+def _base_dir(path: str) -> str:
+    path = os.path.expanduser(path)
+    return path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+
+
+def _records(spec: Any, columns: Any, seed: int) -> list[tuple[Record, str]]:
+    """Every record of ``spec`` with the directory its image paths are relative to."""
+    if is_data_spec(spec):
+        sources = parse_sources(spec, columns=columns)
+        records = load_spec(spec, columns=columns, seed=seed, validate=None)
+        return [(r, _base_dir(sources[r.index].path)) for r in records]
+    return [(Record("<rows>", i + 1, row), os.getcwd()) for i, row in enumerate(spec)]
+
+
+def load_samples(spec: Any, *, columns: Any = None, seed: int = 0) -> list[VLMSample]:
+    """Read and validate every row of ``spec`` (a data spec or a list of rows); raise :class:`VLMDataError`
+    listing every problem found (each image is checked once, however often mixing repeats its row)."""
+    problems: list[tuple[str, int | None, str]] = []
+    samples: list[VLMSample] = []
+    parsed: dict[int, VLMSample | None] = {}
+    checked: dict[str, str | None] = {}
+    for record, base_dir in _records(spec, columns, seed):
+        key = id(record)
+        if key not in parsed:
+            try:
+                sample = parse_row(record.row, base_dir)
+                sample.source, sample.line = record.source, record.line
+            except RowError as exc:
+                problems.append((record.source, record.line, str(exc)))
+                parsed[key] = None
+                continue
+            bad = False
+            for path in sample.images:
+                if path not in checked:
+                    checked[path] = image_problem(path)
+                if checked[path] is not None:
+                    problems.append((record.source, record.line, checked[path]))
+                    bad = True
+            parsed[key] = None if bad else sample
+        if parsed[key] is not None:
+            samples.append(parsed[key])
+    if problems:
+        raise VLMDataError(problems)
+    return samples
+
+
+__all__ = ["IMAGE_PLACEHOLDER", "MAX_REPORTED", "VLMDataError", "VLMSample", "load_samples", "parse_row"]

@@ -1,0 +1,288 @@
+"""The ``vlm`` task: supervised fine-tuning of vision-language models on images and chats.
+
+Rows (:mod:`twinkle_vlm.data`) are rendered with the processor's chat template (:mod:`twinkle_vlm.processor`)
+and encoded piece by piece, as the core's :class:`~twinkle_core.data.template.Template` does for text: the
+rendering is cut at the start and end of every assistant turn, each prompt piece goes through the processor with
+the images it shows (which expands each image into its placeholder run), each assistant piece through the
+tokenizer. Labels are the assistant pieces up to their end-of-turn token; prompt pieces, image placeholders and
+every vision special token are -100 (vision tokens are masked by id as well, so a literal ``<|image_pad|>`` typed
+into an answer is not trained either).
+
+Data options (``data:`` / ``task_options``): ``max_length``, ``truncation`` (``"right"``, default, or
+``"error"``), ``packing``, ``columns``, ``seed``. A sample longer than ``max_length`` is cut on the right when
+the cut falls after its last image; when the cut would go through or before an image's placeholder run the
+sample is dropped with a warning (a model cannot see part of an image). ``truncation: error`` refuses both.
+
+Task options: ``processor``, ``image_processor``, ``min_pixels``, ``max_pixels`` (the processor),
+``train_vision`` / ``train_projector`` / ``train_language`` (what trains, read by the model side),
+``pad_to_multiple_of``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from twinkle_core.data.formats import IGNORE_INDEX, RowError
+from twinkle_core.data.template import KNOWN_END_OF_TURN_TOKENS
+from twinkle_core.errors import ConfigError, DataFormatError
+from twinkle_core.task import Task
+from twinkle_vlm.collate import VLMFeature, collate_vlm
+from twinkle_vlm.data import VLMSample, load_samples
+from twinkle_vlm.images import open_image
+from twinkle_vlm.packing import find_rope_index, multimodal_position_ids, pack_vlm_features
+from twinkle_vlm.parts import TrainablePartsMixin
+from twinkle_vlm.processor import load_processor
+
+logger = logging.getLogger(__name__)
+
+#: processor attributes naming vision special tokens (placeholders and their delimiters)
+_VISION_TOKEN_ATTRIBUTES = ("image_token", "video_token", "boi_token", "eoi_token", "start_image_token",
+                            "end_image_token", "vision_start_token", "vision_end_token")
+_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<img>", "</img>",
+                  "<IMG_CONTEXT>", "<start_of_image>", "<end_of_image>", "<image_soft_token>")
+#: what the processor returns that is neither a per-token value nor a vision tensor
+_TEXT_KEYS = ("input_ids", "attention_mask")
+#: processor outputs with one value per token (modality of each token); everything else is per image
+TOKEN_VALUE_KEYS = ("mm_token_type_ids", "token_type_ids")
+
+
+def vision_token_ids(processor: Any) -> frozenset[int]:
+    """Ids of every vision special token the processor's tokenizer has (never trained)."""
+    tokenizer = processor.tokenizer
+    vocab = tokenizer.get_vocab()
+    names = {getattr(processor, a, None) for a in _VISION_TOKEN_ATTRIBUTES} | set(_VISION_TOKENS)
+    return frozenset(int(vocab[n]) for n in names if isinstance(n, str) and n in vocab)
+
+
+def image_marker(processor: Any) -> str:
+    """The string the chat template writes once per image part (``<|image_pad|>``, ``<start_of_image>`` ...)."""
+    probe = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}]
+    text = processor.apply_chat_template(probe, tokenize=False)
+    for name in ("image_token", "boi_token", "start_image_token"):
+        token = getattr(processor, name, None)
+        if isinstance(token, str) and text.count(token) == 1:
+            return token
+    raise ConfigError(f"cannot tell how the chat template of {type(processor).__name__} marks an image (rendered "
+                      f"{text!r}); its processor names none of image_token / boi_token once in it")
+
+
+def refuse_unsupported_packing(features: list[VLMFeature]) -> None:
+    """Gemma 3 marks image tokens with ``token_type_ids`` to let them attend to each other both ways; in
+    transformers 5.24 packed rows with such image blocks do not reproduce the unpacked logits (its sliding-window
+    layers' mask, measured: 0.4 relative difference), so packing them would train a different model."""
+    if any("token_type_ids" in f.token_values and any(f.token_values["token_type_ids"]) for f in features):
+        raise ConfigError("data.packing is not supported for models whose image tokens attend bidirectionally "
+                          "(Gemma 3: token_type_ids): transformers builds a wrong attention mask for packed rows "
+                          "with images; set data.packing: false")
+
+
+class VLMEncoder:
+    """Rows -> :class:`VLMFeature` with one processor (see the module doc)."""
+
+    def __init__(self, processor: Any, *, max_length: int | None = None, truncation: str = "right") -> None:
+        if truncation not in ("right", "error"):
+            raise ConfigError(f"truncation for the vlm task must be 'right' or 'error', got {truncation!r} (cutting "
+                              "the start would cut images and the prompt)")
+        self.processor, self.max_length, self.truncation = processor, max_length, truncation
+        tokenizer = processor.tokenizer
+        vocab = tokenizer.get_vocab()
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.end_of_turn_ids = frozenset({int(vocab[t]) for t in KNOWN_END_OF_TURN_TOKENS if t in vocab}
+                                         | ({int(eos)} if eos is not None else set()))
+        self.vision_ids = vision_token_ids(processor)
+        self.marker = image_marker(processor)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_token_id = int(pad if pad is not None else eos)
+
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool = False) -> str:
+        try:
+            return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as exc:  # jinja2 errors and raise_exception() inside templates
+            raise RowError(f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}") from None
+
+    def assistant_spans(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendering and the character span of every assistant turn (the template must be prefix-stable)."""
+        full = self.render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:i], generation_prompt=True)
+            turn = self.render(messages[: i + 1])
+            if not (full.startswith(prompt) and turn.startswith(prompt) and full.startswith(turn)):
+                raise RowError(f"the chat template is not prefix-stable at assistant message {i}: it rewrites "
+                               "earlier turns, so the trained tokens cannot be located")
+            spans.append((len(prompt), len(turn)))
+        return full, spans
+
+    def _process(self, text: str, images: list[Any]) -> dict[str, Any]:
+        if not images:  # text alone is only tokenised: the tokenizer directly is several times faster
+            import torch
+
+            return {"input_ids": torch.tensor([self.processor.tokenizer(text, add_special_tokens=False)["input_ids"]])}
+        return dict(self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False))
+
+    def encode(self, sample: VLMSample) -> VLMFeature | None:
+        """The feature of ``sample``, or None when ``max_length`` would cut an image (see the module doc)."""
+        import torch
+
+        full, spans = self.assistant_spans(sample.messages)
+        bounds = [0, *(edge for span in spans for edge in span), len(full)]
+        pending = list(sample.images)
+        input_ids: list[int] = []
+        labels: list[int] = []
+        token_values: dict[str, list[int]] = {}
+        vision: dict[str, list[Any]] = {}
+        for k, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            piece = full[start:end]
+            if not piece:
+                continue
+            count = piece.count(self.marker)
+            if count > len(pending):
+                raise RowError(f"the text holds {self.marker!r}, the image marker of this model, where the row has no "
+                               "image: remove it from the text (images are image parts or <image> placeholders)")
+            images, pending = [open_image(p) for p in pending[:count]], pending[count:]
+            out = self._process(piece, images)
+            ids = [int(t) for t in out["input_ids"][0]]
+            for key, value in out.items():
+                if key in _TEXT_KEYS:
+                    continue
+                if key in TOKEN_VALUE_KEYS:
+                    token_values.setdefault(key, [0] * len(input_ids)).extend(int(v) for v in value[0])
+                elif images:
+                    vision.setdefault(key, []).append(value)
+            input_ids += ids
+            for values in token_values.values():  # a key only some pieces return: text (0) elsewhere
+                values.extend([0] * (len(input_ids) - len(values)))
+            labels += self._labels(ids) if k % 2 == 1 and k < 2 * len(spans) else [IGNORE_INDEX] * len(ids)
+        if pending:
+            raise RowError(f"{len(pending)} image(s) were not rendered by the chat template")
+        labels = [IGNORE_INDEX if t in self.vision_ids else label for t, label in zip(input_ids, labels, strict=True)]
+        stacked = {key: torch.cat(parts, dim=0) for key, parts in vision.items()}
+        return self._truncate(VLMFeature(input_ids, labels, token_values, stacked, len(sample.images)), sample)
+
+    def _labels(self, ids: list[int]) -> list[int]:
+        """An assistant piece is trained up to its last end-of-turn token (ChatML's trailing newline is not)."""
+        cut = next((j + 1 for j in range(len(ids) - 1, -1, -1) if ids[j] in self.end_of_turn_ids), len(ids))
+        return ids[:cut] + [IGNORE_INDEX] * (len(ids) - cut)
+
+    def _truncate(self, feature: VLMFeature, sample: VLMSample) -> VLMFeature | None:
+        if feature.labels:
+            feature.labels[0] = IGNORE_INDEX
+        n, limit = len(feature.input_ids), self.max_length
+        if limit is None or n <= limit:
+            return feature
+        if self.truncation == "error":
+            raise RowError(f"sample has {n} tokens, more than max_length={limit} (raise data.max_length)")
+        marks = [i for i, t in enumerate(feature.input_ids) if t in self.vision_ids]
+        for values in feature.token_values.values():
+            marks += [i for i, v in enumerate(values) if v]
+        if marks and max(marks) >= limit:
+            logger.warning("%s:%s: dropped: max_length=%d would cut through an image (the sample has %d tokens)",
+                           sample.source, sample.line, limit, n)
+            return None
+        return VLMFeature(feature.input_ids[:limit], feature.labels[:limit],
+                          {k: v[:limit] for k, v in feature.token_values.items()}, feature.vision, feature.num_images)
+
+
+class VLMTask(TrainablePartsMixin, Task):
+    """The ``vlm`` task. What trains per part and the vision inputs the forward takes come from
+    :class:`~twinkle_vlm.parts.TrainablePartsMixin` (the model side)."""
+
+    name = "vlm"
+    default_loss = "cross_entropy"
+    model_kind = "image_text_to_text"
+    reads_logits = False  # process_outputs passes them through
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.processor: Any = None
+        self.encoder: VLMEncoder | None = None
+        self._rope_index: Any = None
+        self._rope_checked = False
+
+    def _option(self, value: Any, key: str, default: Any) -> Any:
+        return value if value is not None else self.options.get(key, default)
+
+    def processor_for(self, tokenizer: Any) -> Any:
+        """The processor (loaded once per tokenizer, see :func:`~twinkle_vlm.processor.load_processor`)."""
+        if self.processor is None or self.processor.tokenizer is not tokenizer:
+            self.processor = load_processor(tokenizer, self.options)
+        return self.processor
+
+    def load_dataset(self, path: Any, tokenizer: Any, *, max_length: int | None = None, packing: bool | None = None,
+                     truncation: str | None = None, columns: dict[str, str] | None = None,
+                     seed: int | None = None) -> list[VLMFeature]:
+        """Validate every row and image of ``path`` (a data spec or a list of rows), then encode them."""
+        max_length = self._option(max_length, "max_length", None)
+        packing = bool(self._option(packing, "packing", False))
+        if packing and max_length is None:
+            raise ConfigError("packing needs max_length (the length of a packed row)")
+        samples = load_samples(path, columns=self._option(columns, "columns", None), seed=int(seed or 0))
+        self.encoder = VLMEncoder(self.processor_for(tokenizer), max_length=max_length,
+                                  truncation=self._option(truncation, "truncation", "right"))
+        features = []
+        for sample in samples:
+            try:
+                feature = self.encoder.encode(sample)
+            except RowError as exc:
+                raise DataFormatError(sample.source, sample.line, str(exc)) from None
+            if feature is not None:
+                features.append(feature)
+        if samples and not any(f.num_trained_tokens for f in features):
+            raise DataFormatError(samples[0].source, None, f"no sample has a trained token left (max_length="
+                                  f"{max_length} drops or truncates them all); raise data.max_length")
+        if len(features) < len(samples):
+            logger.warning("%d of %d samples dropped because max_length=%s would cut an image",
+                           len(samples) - len(features), len(samples), max_length)
+        if packing:
+            refuse_unsupported_packing(features)
+            return pack_vlm_features(features, int(max_length))
+        return features
+
+    def collate(self, features: list[Any]) -> dict[str, Any]:
+        if self.encoder is None:
+            raise RuntimeError("VLMTask.collate needs the processor: call load_dataset first")
+        return collate_vlm(features, self.encoder.pad_token_id,
+                           pad_to_multiple_of=self.options.get("pad_to_multiple_of"))
+
+    def prepare_model(self, model: Any) -> None:
+        self.prepare_parts(model)  # train_vision / train_projector / train_language (twinkle_vlm.parts)
+        self._rope_index = find_rope_index(getattr(model, "hf_model", None))
+        self._rope_checked = True
+
+    def prepare_batch(self, model: Any, batch: dict[str, Any]) -> dict[str, Any]:
+        """Qwen-VL models: add the 3-D RoPE positions their own ``get_rope_index`` computes (see
+        :mod:`twinkle_vlm.packing`), so packed rows restart per sample and padded rows skip their padding."""
+        if not self._rope_checked:  # a script that skipped prepare_model: find the RoPE only, change no weights
+            self._rope_index = find_rope_index(getattr(model, "hf_model", None))
+            self._rope_checked = True
+        if self._rope_index is None:
+            return batch
+        return {**batch, "position_ids": multimodal_position_ids(self._rope_index, batch)}
+
+    def evaluate(self, model: Any, dataset: Any, tokenizer: Any, *, max_new_tokens: int = 16,
+                 limit: int | None = None, batch_size: int = 8) -> dict[str, float]:
+        """Held-out answer accuracy by greedy generation (:func:`twinkle_vlm.evaluate.answer_accuracy`).
+        ``dataset``: features from :meth:`load_dataset` (packed or not), a data spec, or a list of rows."""
+        from twinkle_vlm.evaluate import answer_accuracy
+
+        is_features = isinstance(dataset, (list, tuple)) and all(isinstance(f, VLMFeature) for f in dataset)
+        if not is_features:
+            dataset = self.load_dataset(dataset, tokenizer, packing=False)
+        if self.encoder is None:
+            self.encoder = VLMEncoder(self.processor_for(tokenizer))
+        return answer_accuracy(model, dataset, self.encoder, max_new_tokens=max_new_tokens, limit=limit,
+                               batch_size=batch_size)
+
+    def on_export(self, model: Any, directory: str, adapter_name: str | None) -> None:
+        """Save the processor (tokenizer, image processor, chat template) so ``AutoProcessor`` loads the
+        checkpoint on its own."""
+        if self.processor is None and getattr(model, "tokenizer", None) is not None:  # saved before any data
+            self.processor_for(model.tokenizer)
+        if self.processor is not None:
+            self.processor.save_pretrained(directory)
+
+
+__all__ = ["VLMEncoder", "VLMTask", "image_marker", "vision_token_ids"]
