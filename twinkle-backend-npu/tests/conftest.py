@@ -26,6 +26,11 @@ def fake_npu(monkeypatch):
     """The fake torch_npu (8 Ascend 910B devices, bf16) installed, and the npu accelerator forced."""
     from twinkle_backend_npu.testing import install_fake_torch_npu
 
+    from twinkle_core.testing.isolation import describe_leaked_group
+
+    leaked = describe_leaked_group()
+    if leaked:  # a model built now would reduce over that group, not over (fake) HCCL
+        pytest.fail(leaked)
     monkeypatch.setenv("TWINKLE_ACCELERATOR", "npu")
     with install_fake_torch_npu() as fake:
         yield fake
