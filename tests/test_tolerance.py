@@ -11,6 +11,7 @@ from twinkle_core.testing.tolerance import (
     forward_tolerance,
     gamma,
     max_abs_diff,
+    reference_spread,
     spread_tolerance,
     sum_tolerance,
     unit_roundoff,
@@ -72,6 +73,19 @@ def test_assert_within_spread_names_the_quantity_and_the_bound():
     assert assert_within_spread("losses", [1.0, 2.0005], [1.0, 2.0], [1.0, 2.0001], floor=1e-6) == pytest.approx(5e-4)
     with pytest.raises(AssertionError, match=r"losses: max \|got - reference\| = 0.002 exceeds 0.001"):
         assert_within_spread("losses", [1.0, 2.002], [1.0, 2.0], [1.0, 2.0001], floor=1e-6)
+
+
+def test_the_float64_reference_widens_the_spread_to_all_the_rounding_of_the_reference():
+    """A row reversal leaves the inner sums of matrix products in place; the float64 run's distance covers them."""
+    reference, reordered, exact = [1.0, 2.0], [1.0, 2.0001], [1.0, 2.0004]
+    assert reference_spread(reference, reordered) == pytest.approx(1e-4)
+    assert reference_spread(reference, reordered, exact) == pytest.approx(4e-4)
+    assert reference_spread(reference, exact, reordered) == pytest.approx(4e-4)  # the larger, whichever it is
+    assert spread_tolerance(reference, reordered, floor=1e-6, exact_reference=exact) == pytest.approx(4e-3)
+    assert assert_within_spread("logits", [1.0, 2.003], reference, reordered, floor=1e-6,
+                                exact_reference=exact) == pytest.approx(3e-3)
+    with pytest.raises(AssertionError, match=r"logits: .* exceeds 0\.004 .*spread 0\.0001, float64 distance 0\.0004"):
+        assert_within_spread("logits", [1.0, 2.005], reference, reordered, floor=1e-6, exact_reference=exact)
 
 
 def test_thread_env(monkeypatch):

@@ -36,7 +36,7 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "dpo_parity.py"
 DPO = script_module(SCRIPT, "dpo_parity")  # its constants (BETA, PAIRS, STEPS, MAX_GRAD_NORM); imports nothing heavy
 
 
-#: the single-process references: each also reversed (its own reduction-order spread)
+#: the single-process references: each also reversed and in float64 (its own float noise)
 SINGLE_RUNS = {
     "full": {"reference": "model"},
     "lora_a": {"reference": "adapter", "lora": "lora_a"},
@@ -51,15 +51,16 @@ def reference(tmp_path_factory) -> dict[str, Any]:
     """Write the weights, then in one process: every single-process reference, reversed, and the multi-LoRA run."""
     root = tmp_path_factory.mktemp("dpo-parity")
     weights, out = root / "weights", root / "single.json"
-    runs = [spec for spec in SINGLE_RUNS.values() for spec in (spec, {**spec, "reverse": True})]
+    runs = [spec for spec in SINGLE_RUNS.values()
+            for spec in (spec, {**spec, "reverse": True}, {**spec, "float64": True})]
     runs.append({"backend": "multi_lora", "tenants": TENANTS})
     result = run_single_process(SCRIPT, ["--init", str(weights), "--weights", str(weights), "--out", str(out),
-                              "--runs", json.dumps(runs)], timeout=240)
+                              "--runs", json.dumps(runs)], timeout=360)
     assert result.returncode == 0, job_output(result)
     results = json.loads(out.read_text())
     refs = {}
     for i, key in enumerate(SINGLE_RUNS):
-        refs[key] = {**results[2 * i], "reordered": results[2 * i + 1]}
+        refs[key] = {**results[3 * i], "reordered": results[3 * i + 1], "exact": results[3 * i + 2]}
     print(f"single-process job: {result.seconds:.1f} s")
     return {"weights": str(weights), "root": root, "refs": refs, "multi_lora": results[-1]}
 
@@ -86,25 +87,29 @@ def norm_floor(ref: dict[str, Any]) -> float:
 
 
 def assert_same_run(got: dict[str, Any], ref: dict[str, Any], what: str) -> float:
-    """Losses, pre-clip grad norms and the rewards metrics within the reference's own spread; returns max |dloss|."""
-    reordered = ref["reordered"]
+    """Losses, pre-clip grad norms and the rewards metrics within the reference's own float noise (its distance
+    from the reversed run and from the float64 run); returns max |dloss|."""
+    reordered, exact = ref["reordered"], ref["exact"]
     assert len(got["losses"]) == len(ref["losses"]) == DPO.STEPS, (what, got["losses"])
     delta = assert_within_spread(f"{what}: losses", got["losses"], ref["losses"], reordered["losses"],
-                                 floor=loss_floor(ref))
+                                 floor=loss_floor(ref), exact_reference=exact["losses"])
     norm_delta = assert_within_spread(f"{what}: pre-clip grad norms", got["grad_norms"], ref["grad_norms"],
-                                      reordered["grad_norms"], floor=norm_floor(ref))
+                                      reordered["grad_norms"], floor=norm_floor(ref),
+                                      exact_reference=exact["grad_norms"])
     for key in ("margins", "chosen", "rejected"):
         assert_within_spread(f"{what}: rewards/{key}", got[key], ref[key], reordered[key],
-                             floor=loss_floor(ref, key))
+                             floor=loss_floor(ref, key), exact_reference=exact[key])
     # a share of 4 pair comparisons: equal unless a pair's margin is within float noise of a tie (the reversed
     # reference would then show it as its own spread). Step 1 of full fine-tuning ties exactly (h = 0): the
     # policy and its frozen copy run the same code on the same weights in every backend
     assert_within_spread(f"{what}: rewards/accuracies", got["accuracies"], ref["accuracies"],
                          reordered["accuracies"], floor=0.0)
-    print(f"{what}: max |loss - reference| = {delta:.3g} (tolerance "
-          f"{spread_tolerance(ref['losses'], reordered['losses'], floor=loss_floor(ref)):.3g}), max |grad norm - "
-          f"reference| = {norm_delta:.3g} (tolerance "
-          f"{spread_tolerance(ref['grad_norms'], reordered['grad_norms'], floor=norm_floor(ref)):.3g})")
+    loss_tolerance = spread_tolerance(ref["losses"], reordered["losses"], floor=loss_floor(ref),
+                                      exact_reference=exact["losses"])
+    norm_tolerance = spread_tolerance(ref["grad_norms"], reordered["grad_norms"], floor=norm_floor(ref),
+                                      exact_reference=exact["grad_norms"])
+    print(f"{what}: max |loss - reference| = {delta:.3g} (tolerance {loss_tolerance:.3g}), "
+          f"max |grad norm - reference| = {norm_delta:.3g} (tolerance {norm_tolerance:.3g})")
     return delta
 
 

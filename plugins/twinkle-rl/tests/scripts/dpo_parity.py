@@ -25,6 +25,8 @@ Each run of ``--runs`` (several share one job and its start-up time) is a JSON o
 * ``strategy``, ``strategy_options``, ``mesh``: as the model takes them;
 * ``reverse``: feed every batch's pairs in reverse order (the same mathematics in another summation order:
   the reference's own float spread, see ``twinkle_core.testing.tolerance``); ``--reverse`` sets it for all;
+* ``float64`` (``hf`` only): train in float64 (the reference's distance from it is its rounding noise,
+  see ``twinkle_core.testing.tolerance``);
 * ``tenants`` (``multi_lora`` only): ``[{"name", "lora", "reference"}, ...]``; each tenant has its own
   ``PreferenceTask(reference=..., adapter_name=name)``; the tenants train interleaved, step by step, every
   model call with ``adapter_name``; the run's result has one entry per tenant.
@@ -99,7 +101,10 @@ def build_model(spec: dict[str, Any], weights: str, task: Any) -> Any:
     if backend == "hf":
         from twinkle_backend_hf.model import TransformersModel
 
-        return TransformersModel(model_id=base, strategy=spec.get("strategy", "single"), **options)
+        model = TransformersModel(model_id=base, strategy=spec.get("strategy", "single"), **options)
+        if spec.get("float64"):
+            model.hf_model.double()  # before task.prepare_model: the frozen reference copy is float64 too
+        return model
     if backend == "multi_lora":
         from twinkle_backend_hf.multi_lora import MultiLoraTransformersModel
 
