@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -360,15 +361,22 @@ def test_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     _log_two_steps(tmp_path, "wandb", {"project": "twinkle-test"})
     (data,) = glob.glob(str(tmp_path / "wandb" / "wandb" / "offline-run-*" / "run-*.wandb"))
-    rows, config = [], {}
-    for record in read_wandb_records(data):
-        kind = record.WhichOneof("record_type")
-        if kind == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
-        elif kind == "run":
-            assert record.run.display_name == "out" and record.run.project == "twinkle-test"
-            config = {item.key: json.loads(item.value_json) for item in record.run.config.update}
+    # wandb's service process writes the file; on a loaded machine its last records can land just after
+    # finish() returns, so read until both steps are there (or 30 s pass)
+    deadline = time.monotonic() + 30
+    while True:
+        rows, config = [], {}
+        for record in read_wandb_records(data):
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+            elif kind == "run":
+                assert record.run.display_name == "out" and record.run.project == "twinkle-test"
+                config = {item.key: json.loads(item.value_json) for item in record.run.config.update}
+        if len(rows) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert [(row["_step"], row["train/loss"], row["train/rewards/chosen"]) for row in rows] == [
         (1, 2.5, 0.5), (2, 2.0, 0.625)]
     assert config["optimizer"] == {"lr": 0.1} and config["task"] == "causal_lm"
