@@ -55,6 +55,9 @@ def test_all_labels_ignored_gives_zero_and_zero_gradients():
 
 def test_chunks_hold_a_bounded_slice_of_the_vocabulary():
     assert chunk_rows(151_936) * 151_936 * 4 <= 64 * 2**20 and chunk_rows(64) == 4096 and chunk_rows(10**9) == 16
+    # a large batch goes in at most 8 chunks (each chunk is a [V, H] pass of the weight gradient), under 4,096 rows
+    assert chunk_rows(151_936, 16_384) == 2048 and chunk_rows(151_936, 2_048) == 256
+    assert chunk_rows(151_936, 10**6) == 4096 and chunk_rows(151_936, 100) == chunk_rows(151_936)
 
 
 def test_the_cross_entropy_loss_reads_hidden_states_when_the_model_hands_them_over():

@@ -3,7 +3,7 @@
 With a large vocabulary the logits dominate a training step's memory: Qwen's 151,936 entries at 2,048
 tokens are 1.2 GB in float32, and a plain loss keeps them, their log-softmax and their gradient alive at
 once. :func:`linear_cross_entropy` takes the final hidden states and the LM head's weight instead and walks
-the labelled rows a few hundred at a time. Because the loss is a plain sum, the gradient each chunk
+the labelled rows in at most eight chunks (of at least 64 MiB of float32 logits each). Because the loss is a plain sum, the gradient each chunk
 contributes is known in forward already (``softmax - (1 - eps) * onehot - eps / V`` per row), so forward
 computes the hidden-state and weight gradients chunk by chunk and backward only scales them by the
 upstream gradient: the same matrix products as the unfused head, no recomputation, and one chunk of
@@ -22,15 +22,23 @@ import torch
 
 from twinkle_core.loss.logprobs import _linear_chunk, _valid_rows, acc_dtype
 
-__all__ = ["CHUNK_BYTES", "chunk_rows", "linear_cross_entropy"]
+__all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "chunk_rows", "linear_cross_entropy"]
 
-#: float32 bytes of logits one chunk may hold (its softmax is computed in place)
+#: float32 bytes of logits one chunk may hold at least (its softmax is computed in place)
 CHUNK_BYTES = 64 * 2**20
+#: at most this many chunks per call while a chunk stays under 4,096 rows: every chunk adds its weight gradient,
+#: a full ``[V, H]`` pass, into the float32 accumulator. With 64 MiB chunks a 16,384-token batch at V=151,936
+#: made 150 such passes; on an H200 they cost more than the LM head's matrix products (the fused step took
+#: 1.47x the logits path's forward_backward).
+MAX_CHUNKS = 8
 
 
-def chunk_rows(vocab_size: int) -> int:
-    """Rows per chunk: as many as fit in :data:`CHUNK_BYTES` of float32 logits, 16 to 4,096."""
-    return max(16, min(4096, CHUNK_BYTES // (4 * vocab_size)))
+def chunk_rows(vocab_size: int, total_rows: int = 0) -> int:
+    """Rows per chunk: the larger of what fits in :data:`CHUNK_BYTES` of float32 logits and a
+    :data:`MAX_CHUNKS`-th of ``total_rows``, 16 to 4,096. Memory stays at most an eighth of the unfused logits
+    (or 64 MiB)."""
+    by_memory = CHUNK_BYTES // (4 * vocab_size)
+    return max(16, min(4096, max(by_memory, -(-total_rows // MAX_CHUNKS))))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -97,7 +105,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     ``hidden`` is ``[..., H]``, ``labels`` its leading shape; the result is a float scalar whose gradient reaches
     ``hidden``, ``weight`` and ``bias``. Backward may run once (no ``retain_graph`` double use, no double backward).
     """
-    rows = chunk_rows(weight.shape[0]) if chunk_size is None else chunk_size
+    rows = chunk_rows(weight.shape[0], hidden.numel() // hidden.shape[-1]) if chunk_size is None else chunk_size
     if rows < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     flat_labels = labels.reshape(-1).to(device=hidden.device, dtype=torch.long)
