@@ -50,13 +50,13 @@ def _reference(make_model, float64: bool = True) -> dict:
     sys.path.insert(0, os.path.join(HERE, "scripts"))
     import loop
 
-    runs = []
-    for reverse_rows, exact in ((False, False), (True, False), (False, True))[:3 if float64 else 2]:
+    def one_run(reverse_rows: bool = False, exact: bool = False) -> dict:
         model = make_model()
         if exact:
             model.hf_model.double()
-        runs.append(loop.run(model, adapter_name="t" if model._adapters else None, reverse_rows=reverse_rows))
-    return {**runs[0], "reordered": runs[1], "exact": runs[2] if float64 else None}
+        return loop.run(model, adapter_name="t" if model._adapters else None, reverse_rows=reverse_rows)
+
+    return {**one_run(), "reordered": one_run(reverse_rows=True), "exact": one_run(exact=True) if float64 else None}
 
 
 @pytest.fixture(scope="module")

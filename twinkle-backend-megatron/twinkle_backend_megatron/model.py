@@ -33,25 +33,10 @@ from typing import Any
 import torch
 
 from twinkle_backend_megatron.adapters import MegatronAdaptersMixin
-
-# the private helpers are re-exported: they lived here before the split
-from twinkle_backend_megatron.build import (  # noqa: F401
-    _RECOMPUTE,
-    MegatronBuildMixin,
-    _enable_position_ids,
-    _mark_tensor_parallel,
-)
+from twinkle_backend_megatron.build import _RECOMPUTE, MegatronBuildMixin
 from twinkle_backend_megatron.export import MegatronExportMixin
-from twinkle_backend_megatron.forward import MegatronForwardMixin, _pipeline_error  # noqa: F401
-from twinkle_backend_megatron.pipeline import (  # noqa: F401
-    _DTYPES,
-    MegatronPipelineMixin,
-    _broadcast_from_last_stage,
-    _is_last_stage,
-    _join_micro_batches,
-    _label_count,
-    _mean_metrics,
-)
+from twinkle_backend_megatron.forward import MegatronForwardMixin
+from twinkle_backend_megatron.pipeline import MegatronPipelineMixin
 from twinkle_backend_megatron.weights import MegatronWeightsMixin
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
 from twinkle_core.model.base import TwinkleModel

@@ -63,8 +63,7 @@ Where the parts live
 :class:`Trainer` is assembled from single-purpose mixins: building the components from the recipe
 (:mod:`twinkle_core.train.build`), checkpoint saving and resuming (:mod:`twinkle_core.train.checkpointing`),
 evaluation (:mod:`twinkle_core.train.evaluation`) and the per-step reporting
-(:mod:`twinkle_core.train.step_log`). This module keeps the step loop itself and :func:`train`, and
-re-exports the names importers expect here.
+(:mod:`twinkle_core.train.step_log`). This module keeps the step loop itself and :func:`train`.
 """
 
 from __future__ import annotations
@@ -78,16 +77,12 @@ from pathlib import Path
 from typing import Any
 
 from twinkle_core import distributed
-from twinkle_core.checkpoint import checkpoint_name, latest_checkpoint, prune_checkpoints  # noqa: F401
 from twinkle_core.errors import ConfigError
-from twinkle_core.metrics import LossMetric  # noqa: F401
 from twinkle_core.train import resharding  # noqa: F401
 from twinkle_core.train.batch_stats import _batch_tokens, _is_finite, _label_tokens, _loss_and_tokens
-from twinkle_core.train.build import (  # noqa: F401 - seed_everything & co.: importable from here as before
+from twinkle_core.train.build import (  # noqa: F401 - seed_everything: resharding.reseed imports it from here
     ADAPTER_NAME,
     BuildMixin,
-    _keyword_parameters,
-    dataloader_class,
     seed_everything,
 )
 from twinkle_core.train.checkpointing import CheckpointMixin
@@ -103,15 +98,8 @@ from twinkle_core.train.guards import (  # noqa: F401 - MAX_NONFINITE_STEPS, LAB
 )
 from twinkle_core.train.logging import StartupTimer, TrainLogger, take_startup_timer
 from twinkle_core.train.progress import progress_bar, progress_enabled
-from twinkle_core.train.recipe import (  # noqa: F401 - validate_plugin_names: importable from here as before
-    Recipe,
-    load_recipe,
-    recipe_from_dict,
-    recipe_to_dict,
-    validate_plugin_names,
-)
-from twinkle_core.train.step_log import StepLogMixin, _round  # noqa: F401
-from twinkle_core.train.task_state import local_task_state  # noqa: F401
+from twinkle_core.train.recipe import Recipe, load_recipe, recipe_from_dict, recipe_to_dict
+from twinkle_core.train.step_log import StepLogMixin
 
 logger = logging.getLogger("twinkle.train")
 

@@ -31,8 +31,8 @@ being taken, so a tenant's update never moves another tenant's weights. Each opt
 On CPU, set nothing: the strategy selects ``DS_ACCELERATOR=cpu`` and the gloo process group. Nothing
 needs compiling with torch optimizers.
 
-This module holds the strategy class itself (options, process group, wrapping, engine creation) and
-re-exports the pieces it is built from, so every name importable from here before stays importable:
+This module holds the strategy class itself (options, process group, wrapping, engine creation); the pieces
+it is built from live beside it:
 :mod:`.deepspeed_config` (the generated DeepSpeed config), :mod:`.deepspeed_runtime` (importing DeepSpeed),
 :mod:`.deepspeed_optimizer_group` (several optimizers on one engine), :mod:`.deepspeed_module` (the wrapped
 module and handle), :mod:`.deepspeed_gradients` (backward, scaling, clipping, stepping) and
@@ -49,22 +49,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from twinkle_backend_hf.strategies import _dist
-from twinkle_backend_hf.strategies.deepspeed_checkpoint import (  # noqa: F401
-    _CHECKPOINT_SUBDIR,
-    _CHECKPOINT_TAG,
-    _LAYOUT_FILE,
-    _DeepSpeedCheckpoints,
-    _keep_module_weights,
-)
+from twinkle_backend_hf.strategies.deepspeed_checkpoint import _DeepSpeedCheckpoints
 from twinkle_backend_hf.strategies.deepspeed_config import build_config
-from twinkle_backend_hf.strategies.deepspeed_gradients import _MISSING, _DeepSpeedGradients  # noqa: F401
+from twinkle_backend_hf.strategies.deepspeed_gradients import _DeepSpeedGradients
 from twinkle_backend_hf.strategies.deepspeed_module import DeepSpeedHandle, DeepSpeedModule
-from twinkle_backend_hf.strategies.deepspeed_optimizer_group import _OptimizerGroup, _RoutedState  # noqa: F401
-from twinkle_backend_hf.strategies.deepspeed_runtime import (  # noqa: F401
-    _INSTALL_HINT,
-    _import_deepspeed,
-    _skip_cpu_inference_comm_op,
-)
+from twinkle_backend_hf.strategies.deepspeed_optimizer_group import _OptimizerGroup
+from twinkle_backend_hf.strategies.deepspeed_runtime import _import_deepspeed, _skip_cpu_inference_comm_op
 from twinkle_core.capabilities import check_mesh
 from twinkle_core.errors import ConfigError
 from twinkle_core.mesh import DeviceMesh
