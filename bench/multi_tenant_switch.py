@@ -9,7 +9,7 @@ a shared machine, so the compute is timed *inside* Twinkle's own step instead: t
 network's and the optimizer's arithmetic are wrapped with ``perf_counter`` timers, on this model instance
 only:
 
-* ``model._run_module``  - the network's forward (PEFT's LoRA layers included);
+* ``model.run_network``  - the network's forward (PEFT's LoRA layers included);
 * ``TrainState.apply_loss`` - the loss and its metrics;
 * ``strategy.backward``, ``scale_gradients``, ``clip_grad_norm``, ``optimizer_step``, ``zero_grad`` -
   autograd, the gradient arithmetic, AdamW.
@@ -57,7 +57,7 @@ class ComputeTimer:
         return timed
 
     def instrument(self, model: Any) -> None:
-        model._run_module = self.wrap(model._run_module)
+        model.run_network = self.wrap(model.run_network)
         for name in COMPUTE_STRATEGY_CALLS:
             setattr(model.strategy, name, self.wrap(getattr(model.strategy, name)))
         for state in model._states.values():
@@ -144,7 +144,7 @@ def main() -> None:
     payload = {
         "question": f"Twinkle's bookkeeping per tenant step (forward_backward + clip_grad_and_step, switching "
                     f"tenant every step) of MultiLoraTransformersModel with {tenants} LoRA tenants",
-        "method": "step time minus the time inside the wrapped compute calls (_run_module, apply_loss, strategy."
+        "method": "step time minus the time inside the wrapped compute calls (run_network, apply_loss, strategy."
                   + ", strategy.".join(COMPUTE_STRATEGY_CALLS) + "), in this thread's CPU time (the headline: "
                   "robust to other processes taking the CPU) and in wall time; medians over all tenant steps",
         "settings": {"quick": args.quick, "threads": args.threads, "tenants": tenants, "rounds": rounds,

@@ -228,7 +228,7 @@ def test_impossible_combinations_fail_before_anything_is_built():
 
 def test_the_model_checks_capabilities_before_building():
     class Exploding(OnlyOnSingle):
-        def _build_module(self):  # pragma: no cover - must never run
+        def build_network(self):  # pragma: no cover - must never run
             raise AssertionError("built the network before checking capabilities")
 
     with pytest.raises(ConfigError, match="Tenants come and go at run time"):

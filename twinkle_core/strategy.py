@@ -64,6 +64,12 @@ class Strategy(ABC):
     dimension_notes: ClassVar[dict[str, str]] = {}
     #: model classes (by class name, subclasses included) this strategy can drive; ``None``: any
     supported_models: ClassVar[tuple[str, ...] | None] = None
+    #: which of the model spec's aliases this strategy takes as its own constructor option rather than as a
+    #: mesh size. Example: Megatron declares ``frozenset({"sequence_parallel"})``, so a spec's
+    #: ``sequence_parallel=True`` becomes ``strategy_options["sequence_parallel"] = True`` (sequence parallelism
+    #: inside tensor-parallel regions); every alias not named here is folded into the mesh by the model
+    #: (``sequence_parallel=2`` is mesh ``sp=2``), and a boolean one is refused.
+    spec_options: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, mesh: DeviceMesh | None = None, *, precision: Precision | None = None,
                  **options: Any) -> None:
@@ -150,6 +156,22 @@ class Strategy(ABC):
         own the optimizer (DeepSpeed) return their engine here and keep it on their handle.
         """
         return module, OptimizerHandle(optimizer, list(parameters), gradient_accumulation_steps)
+
+    # ------------------------------------------------------------------ precision
+    # The strategy owns the precision it was built with (Lightning's habit): the model reaches its forward
+    # context, loss scaling, unscaling and the optimizer step only through these methods, so an engine that
+    # runs mixed precision itself (DeepSpeed) overrides them in one place.
+    def forward_context(self, device_type: str) -> contextlib.AbstractContextManager[Any]:
+        """The context every forward runs in (autocast to the precision's dtype, or nothing)."""
+        return self.precision.autocast(device_type)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to back-propagate (multiplied by the loss scale under fp16)."""
+        return self.precision.scale_loss(loss)
+
+    def unscale_gradients(self, handle: OptimizerHandle) -> None:
+        """Divide ``handle``'s gradients by the loss scale, before they are normalised, measured or clipped."""
+        self.precision.unscale_(handle.optimizer)
 
     # ------------------------------------------------------------------ gradients
     def global_sum(self, value: torch.Tensor) -> torch.Tensor:

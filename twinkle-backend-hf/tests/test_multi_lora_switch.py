@@ -38,7 +38,7 @@ def add(model, name):
 
 def with_peft_switching(model):
     """The same model switching tenants the way it did before: PEFT's set_adapter, a walk over all modules."""
-    model._adapter_context = functools.partial(TransformersModel._adapter_context, model)
+    model.activate_adapter = functools.partial(TransformersModel.activate_adapter, model)
     return model
 
 
@@ -142,7 +142,7 @@ def test_a_tenant_removed_and_added_again_trains_alone_and_its_old_weights_are_f
     changed = [k for k, v in model.get_state_dict(adapter_name="c").items() if not torch.equal(v, start[k])]
     assert changed, "the new tenant's weights did not train"
     assert {n for n, p in model.module.named_parameters() if p.requires_grad} == \
-        set(model._adapter_parameter_names("c"))
+        set(model.adapter_parameter_names("c"))
     gc.collect()
     assert not any(ref() is not None for ref in removed), "the removed tenant's weights are still held"
 

@@ -104,7 +104,7 @@ class TransformersModel(TorchTwinkleModel):
                               f"installed ({exc}); install it (flash_attention_2: pip install flash-attn, on a CUDA "
                               f"machine) or use attn_implementation: sdpa") from exc
 
-    def _build_module(self) -> torch.nn.Module:
+    def build_network(self) -> torch.nn.Module:
         auto = self._auto_class()
         common: dict[str, Any] = {"trust_remote_code": self.trust_remote_code, **self.model_kwargs}
         if self.attn_implementation:
@@ -146,7 +146,7 @@ class TransformersModel(TorchTwinkleModel):
         module = self.module
         return module.get_base_model() if hasattr(module, "get_base_model") else module
 
-    def _lm_head(self) -> torch.nn.Linear | None:
+    def output_layer(self) -> torch.nn.Linear | None:
         if getattr(self.task, "model_kind", "causal_lm") != "causal_lm":
             return None
         if self.hf_model.config.model_type not in _PLAIN_HEAD_MODEL_TYPES:
@@ -154,7 +154,7 @@ class TransformersModel(TorchTwinkleModel):
         head = self.hf_model.get_output_embeddings()
         return head if type(head) is torch.nn.Linear else None  # a LoRA- or fp8-wrapped head computes more
 
-    def _run_module(self, module: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+    def run_network(self, module: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         keys = (*self.model_input_keys, *getattr(self.task, "model_inputs", ()))
         kwargs = {k: v for k, v in inputs.items() if k in keys}
         if getattr(self.task, "model_kind", "causal_lm") in _GENERATIVE_KINDS:
@@ -163,7 +163,7 @@ class TransformersModel(TorchTwinkleModel):
         return {k: v for k, v in out.items() if v is not None}
 
     # ------------------------------------------------------------------ adapters
-    def _add_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+    def attach_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
         peft_config = adapters.to_peft_config(config)
         narrow = getattr(self.task, "adapter_config", None)  # Task.adapter_config: e.g. a VLM's LoRA on its LM only
         if narrow is not None:
@@ -171,27 +171,27 @@ class TransformersModel(TorchTwinkleModel):
         self.module = adapters.add_adapter(self.module, adapter_name, peft_config)
         self.module.to(self.device)
 
-    def _remove_adapter(self, adapter_name: str) -> None:
+    def detach_adapter(self, adapter_name: str) -> None:
         self.module.delete_adapter(adapter_name)
 
     @contextlib.contextmanager
-    def _adapter_context(self, adapter_name: str | None) -> Iterator[None]:
+    def activate_adapter(self, adapter_name: str | None) -> Iterator[None]:
         if adapter_name is None:
             yield
             return
         adapters.activate(self.module, adapter_name)
         yield
 
-    def _adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
+    def deactivate_adapters(self) -> contextlib.AbstractContextManager[None]:
         # PEFT switches every LoRA layer off and, in a finally, back on with the same active adapter (whose
         # weights it makes trainable again); self.module is the PeftModel under every strategy
         return self.module.disable_adapter()
 
-    def _adapter_parameter_names(self, adapter_name: str) -> list[str]:
+    def adapter_parameter_names(self, adapter_name: str) -> list[str]:
         return adapters.parameter_names(self.module, adapter_name)
 
     # ------------------------------------------------------------------ disk
-    def _export(self, directory: str, state_dict: dict[str, torch.Tensor], adapter_name: str | None) -> None:
+    def write_weights(self, directory: str, state_dict: dict[str, torch.Tensor], adapter_name: str | None) -> None:
         if adapter_name is not None:
             causal = getattr(self.task, "model_kind", "causal_lm") == "causal_lm"
             adapters.save_adapter(self.module, adapter_name, state_dict, directory,
@@ -203,7 +203,7 @@ class TransformersModel(TorchTwinkleModel):
             self.tokenizer.save_pretrained(directory)
             _warn_if_tokenizer_changes_on_reload(self.tokenizer, directory)
 
-    def _import(self, directory: str, adapter_name: str | None) -> dict[str, torch.Tensor]:
+    def read_weights(self, directory: str, adapter_name: str | None) -> dict[str, torch.Tensor]:
         if adapter_name is not None:
             return adapters.load_adapter_state(self.module, adapter_name, directory)
         # from_pretrained applies the same key conversions that save_pretrained undid, so the result is
@@ -213,7 +213,7 @@ class TransformersModel(TorchTwinkleModel):
         prefix = "" if self.module is self.hf_model else "base_model.model."
         return {prefix + k: v for k, v in loaded.state_dict().items()}
 
-    def _describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         config = self.hf_model.config
         return {"class": type(self).__name__, "model_type": config.model_type, "model_id": self.model_id,
                 "vocab_size": config.get_text_config().vocab_size,  # a VLM's sits in its text config

@@ -37,16 +37,16 @@ class MultiLoraTransformersModel(MultiTenantMixin, TransformersModel):
 
     # ------------------------------------------------------------------ tenant switching
     # Every tenant step switches adapters, so the switch must not walk the model (see AdapterSwitch).
-    def _add_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+    def attach_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
         self._switch = None
-        super()._add_adapter(adapter_name, config, **kwargs)
+        super().attach_adapter(adapter_name, config, **kwargs)
 
-    def _remove_adapter(self, adapter_name: str) -> None:
+    def detach_adapter(self, adapter_name: str) -> None:
         self._switch = None
-        super()._remove_adapter(adapter_name)
+        super().detach_adapter(adapter_name)
 
     @contextlib.contextmanager
-    def _adapter_context(self, adapter_name: str | None) -> Iterator[None]:
+    def activate_adapter(self, adapter_name: str | None) -> Iterator[None]:
         if adapter_name is not None:
             wrapped = self.wrapped  # wrap first: a strategy may replace the parameters the switch records
             switch = self._switch

@@ -17,7 +17,7 @@ from twinkle_core.errors import ConfigError
 class MegatronAdaptersMixin:
     """The core's adapter hooks of a ``MegatronModel``, on ``lora.py``'s ``MegatronLora``."""
 
-    def _add_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+    def attach_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
         from twinkle_backend_megatron.lora import MegatronLora
 
         if self.strategy.options["sequence_parallel"]:
@@ -29,12 +29,12 @@ class MegatronAdaptersMixin:
         self._adapters_config[adapter_name] = self._lora.add(adapter_name, config)
         self.module.to(self.device)
 
-    def _remove_adapter(self, adapter_name: str) -> None:
+    def detach_adapter(self, adapter_name: str) -> None:
         self._lora.remove(adapter_name)
         self._adapters_config.pop(adapter_name, None)
 
     @contextlib.contextmanager
-    def _adapter_context(self, adapter_name: str | None) -> Any:
+    def activate_adapter(self, adapter_name: str | None) -> Any:
         if self._lora is None:
             yield
             return
@@ -45,11 +45,11 @@ class MegatronAdaptersMixin:
         finally:
             self._lora.active.name = previous
 
-    def _adapters_disabled(self) -> Any:
+    def deactivate_adapters(self) -> Any:
         # the LoRA hooks (lora.py) add nothing while no adapter is active; the previous one is restored after
-        return self._adapter_context(None)
+        return self.activate_adapter(None)
 
-    def _adapter_parameter_names(self, adapter_name: str) -> list[str]:
+    def adapter_parameter_names(self, adapter_name: str) -> list[str]:
         return self._lora.parameter_names(adapter_name)
 
     def _adapter_state_dict(self, adapter_name: str) -> dict[str, torch.Tensor]:

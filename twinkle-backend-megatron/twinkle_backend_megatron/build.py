@@ -82,7 +82,7 @@ class MegatronBuildMixin:
             recompute.install()  # the recomputed forward must see the forward's autocast (bf16 / fp16)
         return TransformerConfig(**kwargs)
 
-    def _build_module(self) -> torch.nn.Module:
+    def build_network(self) -> torch.nn.Module:
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

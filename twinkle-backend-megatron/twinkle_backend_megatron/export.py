@@ -19,7 +19,7 @@ class MegatronExportMixin:
     def export_config(self) -> Any:
         return self.hf_config
 
-    def _export(self, directory: str, state_dict: dict[str, torch.Tensor], adapter_name: str | None) -> None:
+    def write_weights(self, directory: str, state_dict: dict[str, torch.Tensor], adapter_name: str | None) -> None:
         import os
 
         from safetensors.torch import save_file
@@ -41,7 +41,7 @@ class MegatronExportMixin:
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(directory)
 
-    def _import(self, directory: str, adapter_name: str | None) -> dict[str, torch.Tensor]:
+    def read_weights(self, directory: str, adapter_name: str | None) -> dict[str, torch.Tensor]:
         if adapter_name is not None:
             return self._import_adapter(directory, adapter_name)
         reader = convert.HFCheckpoint(directory)

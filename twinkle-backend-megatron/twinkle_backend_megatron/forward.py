@@ -58,7 +58,7 @@ class MegatronForwardMixin:
         finally:
             inner._twinkle_positions = None
 
-    def _run_module(self, module: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+    def run_network(self, module: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         if self.pp_size > 1:
             raise _pipeline_error("forward", self.pp_size)
         logits = self._call_chunk(module, inputs)

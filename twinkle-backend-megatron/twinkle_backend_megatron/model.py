@@ -104,7 +104,7 @@ class MegatronModel(MegatronForwardMixin, MegatronPipelineMixin, MegatronAdapter
         """The model chunks this rank holds (one, or ``vpp`` with virtual pipelining)."""
         return list(self.module) if isinstance(self.module, torch.nn.ModuleList) else [self.module]
 
-    def _describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         from twinkle_backend_megatron.compat import megatron_version
 
         return {"class": type(self).__name__, "model_type": self.spec.model_type, "model_id": self.model_id,

@@ -70,7 +70,7 @@ class MegatronPipelineMixin:
                 outputs = self._task_outputs({"logits": logits}, batch)
                 result = state.apply_loss(outputs, batch, self.loss_context)
                 scored.append(({k: v.detach() if torch.is_tensor(v) else v for k, v in outputs.items()}, result))
-                scaled = self.precision.scale_loss(state.scale_for_backward(result.loss))
+                scaled = self.strategy.scale_loss(state.scale_for_backward(result.loss))
                 return scaled, torch.tensor(int(float(result.num_tokens)), dtype=torch.int), {}
 
             return self._call_chunk(chunk, batch), loss_func
@@ -88,7 +88,7 @@ class MegatronPipelineMixin:
         for chunk in chunks:
             chunk.train(not forward_only)
         try:
-            with adapter_scope, self.precision.autocast(self.device.type), grad_context:
+            with adapter_scope, self.strategy.forward_context(self.device.type), grad_context:
                 get_forward_backward_func()(
                     forward_step_func=forward_step, data_iterator=[iter(pieces) for _ in chunks],
                     model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(pieces), seq_length=length,
@@ -101,7 +101,7 @@ class MegatronPipelineMixin:
         """The last stage's logits on every stage, then the task's outputs of the whole batch."""
         logits = torch.cat([outputs["logits"] for outputs, _ in scored]) if _is_last_stage() else None
         logits = self._logits_from_last_stage(logits, tuple(inputs["input_ids"].shape))
-        with self.precision.autocast(self.device.type), torch.no_grad():
+        with self.strategy.forward_context(self.device.type), torch.no_grad():
             return self._task_outputs({"logits": logits}, inputs)
 
     def _logits_from_last_stage(self, logits: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:

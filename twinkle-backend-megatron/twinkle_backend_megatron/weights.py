@@ -114,6 +114,6 @@ class MegatronWeightsMixin:
             return self._hf_state_dict()
         return self._adapter_state_dict(name)
 
-    def _local_weights(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def local_weights(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         # get_state_dict() is full Hugging Face tensors; the strategy loads this rank's Megatron shards
         return self._local_state(state_dict.__getitem__, fused_experts=True)

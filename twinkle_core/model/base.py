@@ -23,6 +23,7 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 from twinkle_core.errors import ConfigError
+from twinkle_core.model.data_parallel import DataParallelView
 
 
 class TwinkleModel(ABC):
@@ -46,6 +47,13 @@ class TwinkleModel(ABC):
     def check_adapter_config(cls, config: Any) -> None:
         """Refuse an adapter config this class would refuse in ``add_adapter_to_model``, without building anything
         (``twinkle train`` and ``--dry-run`` call it before launching). Default: accept."""
+
+    @property
+    def data_parallel(self) -> DataParallelView:
+        """This process's data-parallel coordinates (:class:`~twinkle_core.model.data_parallel.DataParallelView`):
+        the trainer shards data by them, rollouts reduce over their group. Default: every process is a
+        data-parallel rank; a model with tensor / pipeline / sequence parallelism returns its strategy's."""
+        return DataParallelView.of_world()
 
     # ------------------------------------------------------------------ compute
     @abstractmethod

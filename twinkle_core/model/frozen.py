@@ -73,6 +73,6 @@ def frozen_copy(model: TorchTwinkleModel) -> TorchTwinkleModel:
     weights = model.get_state_dict()  # complete on every rank (a collective under sharded strategies)
     copy = type(model)(**rebuild_arguments(model))
     freeze(copy)  # before the strategy wraps it: DDP and ZeRO-3 decide by requires_grad how to place it
-    copy.strategy.load_state_dict(copy.wrapped, copy._local_weights(weights), strict=True)
+    copy.strategy.load_state_dict(copy.wrapped, copy.local_weights(weights), strict=True)
     freeze(copy)  # wrapping may have made new parameter objects (FSDP2's DTensor shards)
     return copy

@@ -3,7 +3,7 @@
 Used by ``TorchTwinkleModel.forward_backward`` when the loss fuses the head (``Loss.fuses_lm_head``): the
 head's ``forward`` is replaced, for one call of the network, by one that records its input and returns an
 empty ``[..., 0]`` tensor, so the ``[N, V]`` logits are never computed. Works for any network whose logits
-are ``head(final hidden states)``; the backend vouches for that (``TorchTwinkleModel._lm_head``).
+are ``head(final hidden states)``; the backend vouches for that (``TorchTwinkleModel.output_layer``).
 """
 
 from __future__ import annotations
@@ -38,4 +38,4 @@ def deferred(head: torch.nn.Linear) -> Iterator[dict[str, Any]]:
         del head.forward
     if not captured:
         raise RuntimeError(f"the network never called its LM head ({type(head).__name__}); the backend's "
-                           f"_lm_head() names the wrong module")
+                           f"output_layer() names the wrong module")

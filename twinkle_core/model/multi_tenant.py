@@ -7,7 +7,7 @@ may not exceed ``max_lora_rank``, at most ``max_tenants`` tenants exist at once,
 drops its optimizer and scheduler, ``tenants()`` lists them, and ``get_train_configs`` reports both.
 
 A backend supplies only what is its own: turning a user's config into its LoRA config, and reading
-the largest rank from it. Deleting an adapter from the network is the backend's ``_remove_adapter``,
+the largest rank from it. Deleting an adapter from the network is the backend's ``detach_adapter``,
 which the mixin calls. Put the mixin first, so that its methods wrap the backend's::
 
     class MultiLoraMyModel(MultiTenantMixin, MyModel):
@@ -74,10 +74,10 @@ class MultiTenantMixin(_TenantBase, metaclass=ABCMeta):
     def tenants(self) -> list[str]:
         return sorted(self._adapters)
 
-    def _remove_adapter(self, adapter_name: str) -> None:
+    def detach_adapter(self, adapter_name: str) -> None:
         state = self._states[adapter_name]
         state.handle = state.scheduler = None  # drop the tenant's optimizer state with it
-        super()._remove_adapter(adapter_name)
+        super().detach_adapter(adapter_name)
 
     def get_train_configs(self, *, adapter_name: str | None = None) -> dict[str, Any]:
         return {**super().get_train_configs(adapter_name=adapter_name), "tenants": self.tenants(),

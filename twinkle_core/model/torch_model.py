@@ -36,7 +36,9 @@ from twinkle_core.mesh import DeviceMesh, default_strategy, merge_spec_sizes, po
 from twinkle_core.metrics import LossMetric, Metric
 from twinkle_core.model import frozen, lm_head
 from twinkle_core.model.base import TwinkleModel
+from twinkle_core.model.data_parallel import DataParallelView
 from twinkle_core.model.frozen import trains
+from twinkle_core.model.step_context import StepContext
 from twinkle_core.model.train_state import TrainState
 from twinkle_core.names import validate_name
 from twinkle_core.optim import build_optimizer, build_scheduler
@@ -119,7 +121,7 @@ class TorchTwinkleModel(TwinkleModel):
         self.tokenizer = tokenizer
         self.seed = seed
         torch.manual_seed(seed)  # identical initial weights on every rank
-        module = self._build_module()
+        module = self.build_network()
         # fused kernels registered for this accelerator (twinkle_core.kernels); ``kernels`` turns them off
         self.kernels = kernels
         self.applied_kernels = apply_kernels(module, self.accelerator.name, kernels)
@@ -128,55 +130,55 @@ class TorchTwinkleModel(TwinkleModel):
         self._parameter_cache: dict[str, list[torch.nn.Parameter]] = {}
         self._states: dict[str, TrainState] = {FULL_MODEL: self._new_state(FULL_MODEL)}
         self._adapters: dict[str, Any] = {}
-        self._lm_head_of: tuple[Any, ...] | None = None  # what _lm_head() was last asked about, and its answer
+        self._lm_head_of: tuple[Any, ...] | None = None  # what output_layer() was last asked about, and its answer
         self._lm_head_found: torch.nn.Linear | None = None
         #: True on a model made by frozen_copy(): it only evaluates
         self.frozen = False
 
     # ================================================================== backend hooks
     @abstractmethod
-    def _build_module(self) -> torch.nn.Module:
+    def build_network(self) -> torch.nn.Module:
         """Build the network on CPU (weights initialised or loaded)."""
 
-    def _run_module(self, module: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+    def run_network(self, module: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         """Run the network on the model's inputs; return at least ``logits``."""
         out = module(**{k: v for k, v in inputs.items() if k in self.model_input_keys})
         return dict(out) if not isinstance(out, dict) else out
 
-    def _add_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+    def attach_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
         raise ConfigError(f"{type(self).__name__} does not support adapters")
 
-    def _remove_adapter(self, adapter_name: str) -> None:
+    def detach_adapter(self, adapter_name: str) -> None:
         raise ConfigError(f"{type(self).__name__} does not support removing adapters")
 
-    def _adapter_context(self, adapter_name: str | None) -> contextlib.AbstractContextManager[Any]:
+    def activate_adapter(self, adapter_name: str | None) -> contextlib.AbstractContextManager[Any]:
         """Make ``adapter_name`` (``None``: no adapter) the active one for the next forward."""
         return contextlib.nullcontext()
 
-    def _adapters_disabled(self) -> contextlib.AbstractContextManager[Any]:
+    def deactivate_adapters(self) -> contextlib.AbstractContextManager[Any]:
         """Switch every adapter off for the next forward (the base model), and back on afterwards, also when
         the forward raises. Backends with adapters implement it; the default refuses rather than run an
         adapter while the caller asked for the base model."""
         raise ConfigError(f"{type(self).__name__} cannot switch its adapters off: forward_only(disable_adapters=True) "
                           f"is not supported by this model class")
 
-    def _local_weights(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def local_weights(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``get_state_dict()``'s weights keyed (and cut) the way ``strategy.load_state_dict`` takes them."""
         return state_dict
 
-    def _adapter_parameter_names(self, adapter_name: str) -> list[str]:
+    def adapter_parameter_names(self, adapter_name: str) -> list[str]:
         """Names (in ``self.module.named_parameters()``) of the adapter's trainable weights."""
         raise ConfigError(f"{type(self).__name__} does not support adapters")
 
     @abstractmethod
-    def _export(self, directory: str, state_dict: dict[str, torch.Tensor], adapter_name: str | None) -> None:
+    def write_weights(self, directory: str, state_dict: dict[str, torch.Tensor], adapter_name: str | None) -> None:
         """Write ``state_dict`` (model or adapter weights, full names) in the backend's public format."""
 
     @abstractmethod
-    def _import(self, directory: str, adapter_name: str | None) -> dict[str, torch.Tensor]:
-        """Read weights written by ``_export`` back as a state dict keyed like ``self.module``."""
+    def read_weights(self, directory: str, adapter_name: str | None) -> dict[str, torch.Tensor]:
+        """Read weights written by ``write_weights`` back as a state dict keyed like ``self.module``."""
 
-    def _describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         return {"class": type(self).__name__}
 
     # ================================================================== helpers
@@ -200,6 +202,17 @@ class TorchTwinkleModel(TwinkleModel):
     def _state(self, adapter_name: str | None) -> TrainState:
         return self._states[self._resolve_name(adapter_name)]
 
+    def train_state(self, adapter_name: str | None = None) -> TrainState:
+        """The training state of ``adapter_name`` (``None``: the only adapter, or the full model)."""
+        return self._states[self._resolve_name(adapter_name)]
+
+    def step_context(self, adapter_name: str | None = None, *, disable_adapters: bool = False) -> StepContext:
+        """What a backend whose schedule fuses forward and backward (Megatron's pipeline) needs of one step:
+        the adapter's state, its loss (the task's default when none was set), the device and the adapter scope."""
+        state = self.train_state(adapter_name)
+        return StepContext(state=state, device=self.device, ensure_loss=self._ensure_loss,
+                           enter_adapter=lambda: self._adapter_scope(adapter_name, disable_adapters))
+
     def trainable_parameters(self, *, adapter_name: str | None = None) -> list[torch.nn.Parameter]:
         _ = self.wrapped  # parameters are final only once the strategy has wrapped (sharded) the module
         return self._parameters(self._resolve_name(adapter_name))
@@ -212,10 +225,14 @@ class TorchTwinkleModel(TwinkleModel):
             if name == FULL_MODEL:
                 cached = [p for p in self.module.parameters() if p.requires_grad]
             else:
-                wanted = set(self._adapter_parameter_names(name))
+                wanted = set(self.adapter_parameter_names(name))
                 cached = [p for n, p in self.module.named_parameters() if n in wanted]
             self._parameter_cache[name] = cached
         return cached
+
+    @property
+    def data_parallel(self) -> DataParallelView:
+        return DataParallelView(self.strategy.dp_rank, self.strategy.dp_size, self.strategy.dp_group)
 
     @property
     def wrapped(self) -> torch.nn.Module:
@@ -233,21 +250,21 @@ class TorchTwinkleModel(TwinkleModel):
         """The adapter context of a forward: ``adapter_name``'s adapter, or with ``disable_adapters`` none."""
         name = self._resolve_name(adapter_name)
         if disable_adapters and self._adapters:
-            return self._adapters_disabled()
-        return self._adapter_context(name or None)
+            return self.deactivate_adapters()
+        return self.activate_adapter(name or None)
 
     def _compute(self, inputs: dict[str, Any], adapter_name: str | None,
                  disable_adapters: bool = False, fused_head: torch.nn.Linear | None = None) -> dict[str, Any]:
-        with self._adapter_scope(adapter_name, disable_adapters), self.precision.autocast(self.device.type):
+        with self._adapter_scope(adapter_name, disable_adapters), self.strategy.forward_context(self.device.type):
             if fused_head is None:
-                outputs = self._run_module(self.wrapped, inputs)
+                outputs = self.run_network(self.wrapped, inputs)
             else:
                 with lm_head.deferred(fused_head) as head_inputs:
-                    outputs = self._run_module(self.wrapped, inputs)
+                    outputs = self.run_network(self.wrapped, inputs)
                 outputs = {**{k: v for k, v in outputs.items() if k != "logits"}, **head_inputs}
             return self.task.process_outputs(outputs, inputs) if self.task is not None else outputs
 
-    def _lm_head(self) -> torch.nn.Linear | None:
+    def output_layer(self) -> torch.nn.Linear | None:
         """The network's output layer, when the backend knows the logits are exactly this plain linear layer
         applied to the final hidden states (no soft-capping or scaling after it); ``None`` otherwise."""
         return None
@@ -257,7 +274,7 @@ class TorchTwinkleModel(TwinkleModel):
         self._ensure_loss(state)
         asked = (id(self.module), tuple(self._adapters))  # adapters (PEFT's wrapper, a LoRA-targeted head) change it
         if asked != self._lm_head_of:
-            self._lm_head_of, self._lm_head_found = asked, self._lm_head()
+            self._lm_head_of, self._lm_head_found = asked, self.output_layer()
         head = self._lm_head_found
         fuses = getattr(state.loss, "fuses_lm_head", None)
         if head is None or fuses is None or not fuses(head.out_features):
@@ -291,7 +308,7 @@ class TorchTwinkleModel(TwinkleModel):
         was_training = target.training
         target.eval()
         try:
-            with torch.no_grad(), self._adapter_scope(adapter_name), self.precision.autocast(self.device.type):
+            with torch.no_grad(), self._adapter_scope(adapter_name), self.strategy.forward_context(self.device.type):
                 yield GenerationModule(module=target, device=self.device, lockstep=self.strategy.forward_is_collective)
         finally:
             target.train(was_training)
@@ -346,7 +363,7 @@ class TorchTwinkleModel(TwinkleModel):
             loss = LossOutput(loss=loss, num_tokens=1)
         state.open_window(float(loss.num_tokens), self.strategy, self.device)
         with self._sync_context(state):
-            self.strategy.backward(self.precision.scale_loss(state.scale_for_backward(loss.loss)), self.wrapped,
+            self.strategy.backward(self.strategy.scale_loss(state.scale_for_backward(loss.loss)), self.wrapped,
                                    state.handle)
         state.record_backward(loss.num_tokens)
 
@@ -371,7 +388,7 @@ class TorchTwinkleModel(TwinkleModel):
         handle = self._require_optimizer(state, "step")
         tokens = self.strategy.global_sum(torch.tensor(state.pending_tokens, dtype=torch.float64,
                                                        device=self.device))
-        self.precision.unscale_(handle.optimizer)
+        self.strategy.unscale_gradients(handle)
         self.strategy.scale_gradients(self.wrapped, handle,
                                       self.strategy.gradient_scale(float(tokens)) * state.loss_divisor)
         state.gradients_normalised = True
@@ -487,7 +504,7 @@ class TorchTwinkleModel(TwinkleModel):
             raise ConfigError("add adapters before the first forward or set_optimizer: the strategy has already "
                               "wrapped the model")
         self._parameter_cache.clear()
-        self._add_adapter(adapter_name, config, **kwargs)
+        self.attach_adapter(adapter_name, config, **kwargs)
         if self._wrapped is not None and self._wrapped is not self.module:
             # the strategy's wrapping was the module itself (save() or get_state_dict() asked for it, nothing ran
             # yet): it is redone around the module with its new adapter on first use
@@ -497,7 +514,7 @@ class TorchTwinkleModel(TwinkleModel):
 
     def remove_adapter(self, adapter_name: str) -> None:
         self._resolve_name(adapter_name)
-        self._remove_adapter(adapter_name)
+        self.detach_adapter(adapter_name)
         self._parameter_cache.clear()
         del self._adapters[adapter_name]
         del self._states[adapter_name]
@@ -542,7 +559,7 @@ class TorchTwinkleModel(TwinkleModel):
         several = adapter_name is None and len(self._adapters) > 1
         state = self._states[FULL_MODEL] if several else self._state(adapter_name)
         return {
-            **self._describe(),
+            **self.describe(),
             "adapter_name": state.name or None,
             "adapter_config": self._adapters.get(state.name),
             "adapters": sorted(self._adapters),
@@ -578,7 +595,7 @@ class TorchTwinkleModel(TwinkleModel):
         full = self.strategy.full_state_dict(self.wrapped)
         if name == FULL_MODEL:
             return full
-        wanted = set(self._adapter_parameter_names(name))
+        wanted = set(self.adapter_parameter_names(name))
         return {k: v for k, v in full.items() if k in wanted}
 
     def save(self, name: str, *, output_dir: str, adapter_name: str | None = None, save_optimizer: bool = True,
@@ -592,7 +609,7 @@ class TorchTwinkleModel(TwinkleModel):
         with checkpoint.atomic_directory(final, is_main=is_main,
                                          metadata={"adapter_name": state.name or None, "step": state.step}) as tmp:
             if is_main:
-                self._export(tmp, weights, state.name or None)
+                self.write_weights(tmp, weights, state.name or None)
                 if self.task is not None:
                     self.task.on_export(self, tmp, state.name or None)
             if save_optimizer and state.optimizer is not None:
@@ -626,7 +643,7 @@ class TorchTwinkleModel(TwinkleModel):
 
     def load(self, path: str, *, adapter_name: str | None = None, **kwargs: Any) -> None:
         name = self._resolve_name(adapter_name)
-        weights = self._import(path, name or None)
+        weights = self.read_weights(path, name or None)
         self.strategy.load_state_dict(self.wrapped, weights, strict=name == FULL_MODEL)
 
     @trains

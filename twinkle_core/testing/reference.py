@@ -120,7 +120,7 @@ class ReferenceModel(TorchTwinkleModel):
         self.model_id = model_id
         super().__init__(**kwargs)
 
-    def _build_module(self) -> nn.Module:
+    def build_network(self) -> nn.Module:
         module = TinyCausalLM(**self.config)
         if self.model_id:
             module.load_state_dict(self._read_safetensors(self.model_id))
@@ -132,7 +132,7 @@ class ReferenceModel(TorchTwinkleModel):
             if isinstance(mod, LoRALinear):
                 yield name, mod
 
-    def _add_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+    def attach_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
         config = dict(config)
         if config.get("type", "lora") != "lora":
             raise ConfigError(f"the reference backend supports only LoRA adapters, got {config.get('type')!r}")
@@ -150,12 +150,12 @@ class ReferenceModel(TorchTwinkleModel):
                 p.requires_grad_(".lora_" in name)
         self.module.to(self.device)
 
-    def _remove_adapter(self, adapter_name: str) -> None:
+    def detach_adapter(self, adapter_name: str) -> None:
         for _, layer in self._lora_layers():
             layer.remove(adapter_name)
 
     @contextlib.contextmanager
-    def _adapter_context(self, adapter_name: str | None) -> Iterator[None]:
+    def activate_adapter(self, adapter_name: str | None) -> Iterator[None]:
         layers = [layer for _, layer in self._lora_layers()]
         for layer in layers:
             layer.active = adapter_name
@@ -165,16 +165,16 @@ class ReferenceModel(TorchTwinkleModel):
             for layer in layers:
                 layer.active = None
 
-    def _adapters_disabled(self) -> contextlib.AbstractContextManager[None]:
+    def deactivate_adapters(self) -> contextlib.AbstractContextManager[None]:
         # no active adapter is the base model; every forward activates its adapter afresh
-        return self._adapter_context(None)
+        return self.activate_adapter(None)
 
-    def _adapter_parameter_names(self, adapter_name: str) -> list[str]:
+    def adapter_parameter_names(self, adapter_name: str) -> list[str]:
         return [n for n, _ in self.module.named_parameters()
                 if n.endswith(f".lora_A.{adapter_name}") or n.endswith(f".lora_B.{adapter_name}")]
 
     # -------------------------------------------------------------- disk
-    def _export(self, directory: str, state_dict: dict[str, torch.Tensor], adapter_name: str | None) -> None:
+    def write_weights(self, directory: str, state_dict: dict[str, torch.Tensor], adapter_name: str | None) -> None:
         from safetensors.torch import save_file
 
         filename = "adapter.safetensors" if adapter_name else "model.safetensors"
@@ -183,7 +183,7 @@ class ReferenceModel(TorchTwinkleModel):
         with open(os.path.join(directory, "config.json"), "w") as fh:
             json.dump({"model": self.module.config, "adapter": self._adapters.get(adapter_name or "")}, fh)
 
-    def _import(self, directory: str, adapter_name: str | None) -> dict[str, torch.Tensor]:
+    def read_weights(self, directory: str, adapter_name: str | None) -> dict[str, torch.Tensor]:
         return self._read_safetensors(directory, "adapter.safetensors" if adapter_name else "model.safetensors")
 
     @staticmethod
@@ -192,7 +192,7 @@ class ReferenceModel(TorchTwinkleModel):
 
         return load_file(os.path.join(directory, filename))
 
-    def _describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         return {"class": type(self).__name__, "vocab_size": self.module.config["vocab_size"]}
 
 

@@ -120,7 +120,7 @@ class _LogitsOnlyModel:
     def __init__(self, task):
         self.task = task
 
-    def _run_module(self, module, inputs):
+    def run_network(self, module, inputs):
         return self.task.process_outputs({"logits": torch.zeros(2, 3, 5)}, inputs)
 
 
@@ -129,7 +129,7 @@ def test_backends_without_hidden_states_get_a_clear_error():
     model = _LogitsOnlyModel(task)
     task.prepare_model(model)
     with pytest.raises(ConfigError, match="final token states"):
-        model._run_module(None, {"attention_mask": torch.ones(2, 3)})
+        model.run_network(None, {"attention_mask": torch.ones(2, 3)})
 
 
 def test_the_task_serves_any_model_that_calls_its_hooks(monkeypatch):
