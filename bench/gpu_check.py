@@ -195,7 +195,7 @@ def run_twinkle(spec: dict[str, Any], batches: list[dict[str, Any]], args: argpa
                               attn_implementation=args.attn)
     model.set_loss("cross_entropy", lm_head=args.lm_head)
     model.set_optimizer("AdamW", lr=LR, weight_decay=0.0)
-    optimizer = model._state(None).handle  # noqa: SLF001 - only to record which AdamW kernel ran
+    optimizer = model.train_state().handle  # only to record which AdamW kernel ran
     opt = getattr(optimizer, "optimizer", optimizer)
     losses: list[float] = []
     t0 = None

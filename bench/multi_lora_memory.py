@@ -135,7 +135,7 @@ def run_scenario(name: str, spec: dict[str, Any], tenants: int, batch_size: int,
             model.clip_grad_and_step(max_grad_norm=1.0, adapter_name=tenant)
             rss_trace.append(rss_bytes())
         models.append(model)
-        optimizers = [model._states[t].optimizer for t in names]
+        optimizers = [model.adapter_states.states[t].optimizer for t in names]
         per_tenant = [sum(p.numel() for p in model.trainable_parameters(adapter_name=t)) for t in names]
         out["adapter_params_per_tenant"] = per_tenant[0]
         out["adapter_bytes_per_tenant"] = 4 * per_tenant[0]
@@ -148,7 +148,7 @@ def run_scenario(name: str, spec: dict[str, Any], tenants: int, batch_size: int,
             grad_peak = max(grad_peak, storage_bytes(p.grad for p in model.module.parameters()))
             model.clip_grad_and_step(max_grad_norm=1.0)
             models.append(model)
-            optimizers.append(model._states[""].optimizer)
+            optimizers.append(model.adapter_states.states[""].optimizer)
             rss_trace.append(rss_bytes())
     else:
         raise SystemExit(f"unknown scenario {name!r}")

@@ -60,7 +60,7 @@ class ComputeTimer:
         model.run_network = self.wrap(model.run_network)
         for name in COMPUTE_STRATEGY_CALLS:
             setattr(model.strategy, name, self.wrap(getattr(model.strategy, name)))
-        for state in model._states.values():
+        for state in model.adapter_states.states.values():
             state.apply_loss = self.wrap(state.apply_loss)
 
 
@@ -80,7 +80,7 @@ def build(spec: dict[str, Any], tenants: int, seed: int) -> tuple[Any, list[str]
 def tenant_step(model: Any, batch: dict, tenant: str) -> Any:
     """One tenant step; returns the step's loss, so that the caller decides when its autograd graph is freed."""
     model.forward_backward(inputs=batch, adapter_name=tenant)
-    loss = model._states[tenant].last_loss
+    loss = model.adapter_states.states[tenant].last_loss
     model.clip_grad_and_step(max_grad_norm=1.0, adapter_name=tenant)
     return loss
 
@@ -91,7 +91,7 @@ def breakdown(model: Any, names: list[str]) -> dict[str, float]:
 
     def switch() -> None:
         for name in (b, a):
-            with model._adapter_scope(name):
+            with model.step_context(name).adapter_scope():
                 pass
 
     def mode_check() -> None:

@@ -195,7 +195,7 @@ def bookkeeping_costs(spec: dict[str, Any], seed: int, batch: dict, repeats: int
     costs = {"parameter_walk": best(lambda: m._parameters(""), 50),
              "module_train": best(lambda: m.wrapped.train(), 50)}
     m.forward_backward(inputs=batch)
-    handle = m._state(None).handle
+    handle = m.train_state().handle
     costs["scale_gradients_by_1"] = best(lambda: m.strategy.scale_gradients(m.wrapped, handle, 1.0), 5)
     m.zero_grad()
     costs["per_step_total"] = 3 * costs["parameter_walk"] + costs["module_train"] + costs["scale_gradients_by_1"]

@@ -4,8 +4,10 @@
     python scripts/architecture_metrics.py --json     # the same figures as JSON
 
 It measures what the contracts issue names: private names imported across modules, file-level import
-cycles, the most complex functions (McCabe, through ruff's C901 when ruff is installed, else mccabe's own
-count), and the largest classes assembled with their in-project bases and mixins.
+cycles, the most complex functions (McCabe's count), and the largest classes assembled with their in-project bases
+(``largest classes``) and with their mixins only, the public contract class they implement
+(``TorchTwinkleModel``, ``Strategy`` ...; the owners in ``twinkle_core.contracts``) counted on its own
+(``largest classes with mixins``).
 ``tests/test_architecture.py`` holds the limits the project has reached.
 """
 
@@ -217,8 +219,22 @@ def _class_lines(node: ast.ClassDef) -> int:
     return (node.end_lineno or node.lineno) - node.lineno + 1
 
 
-def assembled_classes(library: Library) -> list[tuple[int, str]]:
-    """Each class's lines plus those of every in-library base it inherits (mixins included), once each."""
+def contract_classes() -> set[str]:
+    """Names of the public contract classes a plugin or backend implements (the owners in
+    ``twinkle_core.contracts.SEAMS``: ``TwinkleModel``, ``TorchTwinkleModel``, ``Strategy``, ``Task`` ...)."""
+    sys.path.insert(0, ROOT)
+    try:
+        from twinkle_core.contracts import SEAMS
+    finally:
+        sys.path.remove(ROOT)
+    return {seam.owner for seam in SEAMS}
+
+
+def assembled_classes(library: Library, stop_at: set[str] | None = None) -> list[tuple[int, str]]:
+    """Each class's lines plus those of every in-library base it inherits (mixins included), once each.
+
+    With ``stop_at`` (class names), a base of that name is not counted into a subclass: the public contract a
+    class implements is not one of its mixins, and is reported on its own."""
     classes: dict[str, tuple[Module, ast.ClassDef]] = {}
     for module in library.modules.values():
         for node in module.tree.body:
@@ -244,7 +260,7 @@ def assembled_classes(library: Library) -> list[tuple[int, str]]:
         module, node = classes[key]
         for base in node.bases:
             resolved = resolve(module, base)
-            if resolved is not None:
+            if resolved is not None and not (seen and stop_at and resolved.rsplit(".", 1)[1] in stop_at):
                 lineage(resolved, seen)
 
     result = []
@@ -264,6 +280,8 @@ def report(root: str = ROOT) -> dict[str, object]:
         "import_cycles": import_cycles(library),
         "most_complex": [f"{score} {where}" for score, where in complexities(library)[:10]],
         "largest_classes": [f"{lines} {where}" for lines, where in assembled_classes(library)[:10]],
+        "largest_classes_with_mixins": [f"{lines} {where}" for lines, where
+                                        in assembled_classes(library, contract_classes())[:10]],
     }
 
 
@@ -276,7 +294,8 @@ def main() -> int:
         print(json.dumps(figures, indent=2))
         return 0
     print(f"library modules: {figures['modules']}")
-    for key in ("private_imports", "import_cycles", "most_complex", "largest_classes"):
+    for key in ("private_imports", "import_cycles", "most_complex", "largest_classes",
+                "largest_classes_with_mixins"):
         items = figures[key]
         print(f"\n{key.replace('_', ' ')}: {len(items)}")
         for item in items:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from twinkle_core import cli
+from twinkle_core.commands.train import torchrun_argv
 
 TESTS = Path(__file__).resolve().parent
 FIXTURE_PLUGINS = {
@@ -229,10 +230,10 @@ def _args(*argv: str):
 
 
 def test_torchrun_argv():
-    single_node = cli.torchrun_argv(_args("--nproc-per-node", "4"), ["a.b=1"])
+    single_node = torchrun_argv(_args("--nproc-per-node", "4"), ["a.b=1"])
     assert single_node == ["--nproc-per-node=4", "--nnodes=1", "--standalone", "-m", "twinkle_core.cli", "train",
                            os.path.abspath("r.yaml"), "a.b=1"]
-    multi = cli.torchrun_argv(_args("--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+    multi = torchrun_argv(_args("--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1", "--master-addr",
                                     "10.0.0.1", "--master-port", "29600", "--resume", "latest"), [])
     assert multi == ["--nproc-per-node=8", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1",
                      "--master-port=29600", "-m", "twinkle_core.cli", "train", os.path.abspath("r.yaml"),

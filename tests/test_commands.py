@@ -81,8 +81,8 @@ def test_chat_interactive_reset_and_exit(runs):
 
 
 def test_chat_session_keeps_turns_and_resets(runs):
-    from twinkle_core.commands._checkpoint import load_model, load_tokenizer, resolve_checkpoint
-    from twinkle_core.commands.chat import ChatSession, interact
+    from twinkle_backend_hf.commands.chat import ChatSession, interact
+    from twinkle_backend_hf.commands.checkpoint_loading import load_model, load_tokenizer, resolve_checkpoint
 
     ckpt = resolve_checkpoint(runs["lora"])
     assert ckpt.kind == "adapter" and ckpt.base == str(runs["full"] / "final")

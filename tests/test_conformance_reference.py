@@ -8,11 +8,17 @@ import textwrap
 
 import pytest
 
-from twinkle_core.testing.conformance import ModelContract
+from twinkle_core.testing.conformance import ModelContract, TaskContract
 from twinkle_core.testing.reference import make_reference_model
 
 
 class TestReferenceBackend(ModelContract):
+    @pytest.fixture
+    def twinkle_factory(self):
+        return make_reference_model
+
+
+class TestReferenceBackendTasks(TaskContract):
     @pytest.fixture
     def twinkle_factory(self):
         return make_reference_model
@@ -28,13 +34,15 @@ BROKEN_BACKENDS = {
                        "raise NotImplementedError", "test_forward_returns_logits"),
     "mean_not_token_sum": ("backward", "def backward(self, *, loss=None, adapter_name=None, **kw):\n"
                            "        from twinkle_core.loss.base import LossOutput\n"
-                           "        loss = self._state(adapter_name).last_loss if loss is None else loss\n"
+                           "        loss = self.train_state(adapter_name).last_loss if loss is None else loss\n"
                            "        super().backward(loss=LossOutput(loss.mean, 1), adapter_name=adapter_name)",
                            "test_gradient_accumulation_is_exact"),
     "ignores_disable_adapters": ("forward_only", "def forward_only(self, *, inputs, adapter_name=None, "
                                  "disable_adapters=False, **kw):\n        return super().forward_only(inputs=inputs, "
                                  "adapter_name=adapter_name)",
                                  "test_forward_only_with_adapters_disabled_is_the_base_model"),
+    "claims_a_value_head": ("supported_model_kinds", "supported_model_kinds = ('causal_lm', 'token_value')",
+                            "test_each_model_kind_is_built_or_refused_before_building and token_value"),
     "frozen_copy_trains": ("_trains", "frozen = property(lambda self: False, lambda self, value: None)",
                            "test_frozen_copy_matches_and_refuses_to_train"),
 }

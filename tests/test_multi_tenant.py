@@ -15,10 +15,10 @@ from twinkle_core.testing.reference import ReferenceModel
 class MultiTenantReference(MultiTenantMixin, ReferenceModel):
     """The two backend hooks, as a backend would write them."""
 
-    def _tenant_lora_config(self, config: Any) -> dict[str, Any]:
+    def tenant_lora_config(self, config: Any) -> dict[str, Any]:
         return dict(config)
 
-    def _lora_rank(self, lora_config: dict[str, Any]) -> int:
+    def lora_rank(self, lora_config: dict[str, Any]) -> int:
         return int(lora_config.get("r", 4))
 
 
@@ -93,5 +93,5 @@ def test_a_backend_without_the_hooks_cannot_be_built():
     class Incomplete(MultiTenantMixin, ReferenceModel):
         pass
 
-    with pytest.raises(TypeError, match="_lora_rank"):
+    with pytest.raises(TypeError, match="lora_rank"):
         Incomplete(seed=0)

@@ -167,9 +167,9 @@ def test_every_allowlist_entry_is_still_needed():
 def test_commands_default_to_the_accelerators_device(monkeypatch):
     """``twinkle chat`` / ``twinkle evaluate`` without --device load onto the active accelerator's device."""
     import torch
+    from twinkle_backend_hf.commands.checkpoint_loading import default_device
 
     from twinkle_core import accelerator
-    from twinkle_core.commands._checkpoint import default_device
 
     class OtherVendor(accelerator.CPUAccelerator):
         def device(self, local_rank=None):

@@ -3,7 +3,8 @@
 An :class:`Accelerator` is the one place that knows a vendor's device runtime (``torch.cuda``,
 ``torch.npu`` ...). Everything else in Twinkle asks it: the device of this rank, the collective
 backend, the device RNG state a checkpoint keeps, memory statistics, synchronisation, the autocast
-device type, and why it cannot run here. A vendor plugin subclasses it and registers it through
+device type, and why it cannot run here. A vendor plugin subclasses it (:class:`TorchDeviceAccelerator` when its
+runtime is a ``torch.cuda``-shaped namespace such as ``torch.npu``) and registers it through
 ``twinkle_register_accelerators``; nothing in the core names a vendor outside this module.
 """
 
@@ -107,10 +108,57 @@ class CPUAccelerator(Accelerator):
         return True
 
 
-class CUDAAccelerator(Accelerator):
+class TorchDeviceAccelerator(Accelerator):
+    """A device whose runtime is a ``torch.<device_module>`` namespace shaped like ``torch.cuda`` (``torch.npu``,
+    ``torch.xpu`` ...): the RNG state, memory statistics, synchronisation, bf16 support and the device name are
+    the same calls on that namespace, so a vendor's accelerator names its module and inherits them.
+
+    The namespace is looked up at each call (not at import): a vendor package such as torch_npu installs it only
+    when it is imported, and the accessors must not import it before the accelerator is selected.
+    """
+
+    #: the attribute of ``torch`` that holds the device runtime (``"npu"`` for ``torch.npu``)
+    device_module: ClassVar[str] = ""
+
+    def runtime(self) -> Any:
+        """The ``torch.<device_module>`` namespace."""
+        import torch
+
+        return getattr(torch, self.device_module)
+
+    def set_device(self, local_rank: int | None = None) -> None:
+        self.runtime().set_device(self.device(local_rank))
+
+    def get_rng_state(self) -> Any:
+        return self.runtime().get_rng_state_all()
+
+    def set_rng_state(self, state: Any) -> None:
+        self.runtime().set_rng_state_all(state)
+
+    def synchronize(self) -> None:
+        self.runtime().synchronize()
+
+    def memory_allocated(self) -> int | None:
+        return self.runtime().memory_allocated()
+
+    def max_memory_allocated(self) -> int | None:
+        return self.runtime().max_memory_allocated()
+
+    def reset_peak_memory_stats(self) -> None:
+        self.runtime().reset_peak_memory_stats()
+
+    def supports_bf16(self) -> bool:
+        return bool(self.runtime().is_bf16_supported())
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.runtime().get_device_name()})"
+
+
+class CUDAAccelerator(TorchDeviceAccelerator):
     name = "cuda"
     device_type = "cuda"
     dist_backend = "nccl"
+    device_module = "cuda"
 
     @classmethod
     def is_available(cls) -> bool:
@@ -134,56 +182,11 @@ class CUDAAccelerator(Accelerator):
             return "no CUDA device is visible (check nvidia-smi, the driver and CUDA_VISIBLE_DEVICES)"
         return None
 
-    def set_device(self, local_rank: int | None = None) -> None:
-        import torch
-
-        torch.cuda.set_device(self.device(local_rank))
-
-    def get_rng_state(self) -> Any:
-        import torch
-
-        return torch.cuda.get_rng_state_all()
-
-    def set_rng_state(self, state: Any) -> None:
-        import torch
-
-        torch.cuda.set_rng_state_all(state)
-
-    def synchronize(self) -> None:
-        import torch
-
-        torch.cuda.synchronize()
-
-    def memory_allocated(self) -> int | None:
-        import torch
-
-        return torch.cuda.memory_allocated()
-
-    def max_memory_allocated(self) -> int | None:
-        import torch
-
-        return torch.cuda.max_memory_allocated()
-
-    def reset_peak_memory_stats(self) -> None:
-        import torch
-
-        torch.cuda.reset_peak_memory_stats()
-
-    def supports_bf16(self) -> bool:
-        import torch
-
-        return torch.cuda.is_bf16_supported()
-
     def supports_fp8(self) -> bool:
         import torch
 
         # Float8 matmuls need compute capability 8.9 (Ada) or 9.0+ (Hopper).
         return torch.cuda.get_device_capability() >= (8, 9)
-
-    def describe(self) -> str:
-        import torch
-
-        return f"cuda ({torch.cuda.get_device_name()})"
 
 
 def current_accelerator() -> Accelerator:

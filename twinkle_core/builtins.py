@@ -5,6 +5,7 @@ from __future__ import annotations
 from twinkle_core.hookspecs import hookimpl
 from twinkle_core.records import (
     AcceleratorRecord,
+    CommandRecord,
     LossRecord,
     MetricRecord,
     OptimizerRecord,
@@ -71,6 +72,16 @@ def twinkle_select_accelerator(accelerators):
     return None
 
 
+@hookimpl(trylast=True)
+def twinkle_select_default_strategy(model_class, world_size):
+    # a class that runs on named strategies only gets the first of them; one process needs no wrapper; the
+    # distributed default belongs to a backend's plugin (twinkle-backend-hf answers "accelerate")
+    declared = getattr(model_class, "supported_strategies", None)
+    if declared:
+        return declared[0]
+    return "single" if world_size <= 1 else None
+
+
 @hookimpl
 def twinkle_register_optimizers():
     for name in ("AdamW", "Adam", "SGD", "Adagrad", "RMSprop"):
@@ -96,3 +107,13 @@ def twinkle_register_trackers():
     yield TrackerRecord("wandb", "twinkle_core.trackers.wandb:WandbTracker", "Weights & Biases (pip install wandb)")
     yield TrackerRecord("mlflow", "twinkle_core.trackers.mlflow:MLflowTracker", "MLflow (pip install mlflow)")
     yield TrackerRecord("swanlab", "twinkle_core.trackers.swanlab:SwanLabTracker", "SwanLab (pip install swanlab)")
+
+
+@hookimpl
+def twinkle_register_commands():
+    # the core's commands need nothing but twinkle-core; chat / export / eval come with twinkle-backend-hf
+    yield CommandRecord("plugins", "twinkle_core.commands.plugins:PluginsCommand",
+                        "list installed plugins and what they register")
+    yield CommandRecord("train", "twinkle_core.commands.train:TrainCommand", "train from a YAML recipe")
+    yield CommandRecord("plot", "twinkle_core.commands.plot:PlotCommand",
+                        "draw a run's loss curves (logs.jsonl) as a PNG")

@@ -12,6 +12,10 @@ listing what would work, instead of after the process group is up and the weight
         mesh_dimensions = ("dp",)
 
     check_compatible(TransformersModel, MyStrategy, DeviceMesh(tp=2))   # ConfigError: ... tp=2 ...
+
+A model class also declares the networks it builds (``supported_model_kinds``: the ``Task.model_kind``
+values, ``None`` = any); :func:`check_model_kind` refuses a task whose kind it does not build (a PPO
+critic's ``token_value`` head on a class that builds only ``causal_lm``), naming the installed classes that do.
 """
 
 from __future__ import annotations
@@ -56,16 +60,53 @@ def _who_implements(dimensions: dict[str, int]) -> str:
 
 
 def _registered_strategies() -> dict[str, Any]:
+    return _registered("strategy")
+
+
+def _registered(kind: str) -> dict[str, Any]:
+    """Every installed plugin of ``kind`` that imports, by name (one that cannot import is reported by
+    ``twinkle plugins``, not here)."""
     from twinkle_core.plugins import get_plugins
 
     plugins = get_plugins()
     found: dict[str, Any] = {}
-    for name in plugins.names("strategy"):
+    for name in plugins.names(kind):
         try:
-            found[name] = plugins.load("strategy", name)
-        except ImportError:  # a strategy whose backend cannot import is reported by `twinkle plugins`
+            found[name] = plugins.load(kind, name)
+        except ImportError:
             continue
     return found
+
+
+def model_kinds(model_cls: type) -> tuple[str, ...] | None:
+    """The ``Task.model_kind`` values ``model_cls`` builds a network for; ``None``: any."""
+    kinds = getattr(model_cls, "supported_model_kinds", None)
+    return None if kinds is None else tuple(kinds)
+
+
+def task_model_kind(task: Any) -> str:
+    """The network kind ``task`` asks for (an instance may choose its own, e.g. the embedding task's option)."""
+    return getattr(task, "model_kind", "causal_lm")
+
+
+def check_model_kind(model_cls: type, task: Any) -> None:
+    """Raise :class:`ConfigError` when ``model_cls`` does not build the network ``task`` asks for.
+
+    The model constructor calls it before building anything; ``twinkle train --dry-run`` can call it with the
+    recipe's model class and task. ``task=None`` (no task: a causal LM) is always accepted."""
+    kinds = model_kinds(model_cls)
+    if task is None or kinds is None:
+        return
+    kind = task_model_kind(task)
+    if kind in kinds:
+        return
+    task_name = getattr(task, "name", None) or type(task).__name__
+    able = sorted(name for name, cls in _registered("model").items()
+                  if (model_kinds(cls) is None or kind in model_kinds(cls)))
+    who = (f"Model classes that build it: {', '.join(able)}" if able
+           else "No installed model class declares it (`twinkle plugins` lists what is installed)")
+    raise ConfigError(f"task {task_name!r} needs a network of model_kind {kind!r}, which {model_cls.__name__} does "
+                      f"not build (it builds {', '.join(kinds) or 'none'}); nothing was built. {who}")
 
 
 def _class_names(cls: type) -> set[str]:

@@ -31,12 +31,13 @@ from typing import Any
 
 from twinkle_core import distributed
 from twinkle_core.accelerator import Accelerator, current_accelerator
+from twinkle_core.checkpoint_layout import CheckpointLayout
 from twinkle_core.errors import TwinkleError
 
 logger = logging.getLogger(__name__)
 
-MARKER = "twinkle_checkpoint.json"
-STATE_DIR = "twinkle_state"
+MARKER = CheckpointLayout.MARKER
+STATE_DIR = CheckpointLayout.STATE_DIR
 _CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)(-interrupted)?$")
 
 

@@ -1,11 +1,21 @@
-"""Every Twinkle extension point, as pluggy hook specifications.
+"""Every Twinkle extension point, in one index: the hooks here, the behaviour seams in :mod:`twinkle_core.contracts`.
 
-Registration hooks (``twinkle_register_*``) return an iterable of typed records that point at
-implementations lazily; every plugin's records are collected. Each one belongs to a plugin kind
-declared in :mod:`twinkle_core.records` (the record class names its ``register_hook``); a new kind
-needs its record class there and its specification here, and ``tests/test_plugin_kinds.py`` fails
-until both exist. Selection hooks (``twinkle_select_*``) use ``firstresult=True``: the first plugin
-that answers wins.
+The hooks are grouped by lifecycle phase, as in pytest's ``hookspec.py``; each docstring says who calls
+the hook and when.
+
+1. **Registration** (``twinkle_register_*``), called by :class:`twinkle_core.plugins.TwinklePlugins` the first
+   time a kind is looked up (``twinkle plugins``, recipe validation, a model's constructor): each returns an
+   iterable of typed records that point at implementations lazily; every plugin's records are collected.
+   Each belongs to a plugin kind declared in :mod:`twinkle_core.records` (the record class names its
+   ``register_hook``); a new kind needs its record class there and its specification here, and
+   ``tests/test_plugin_kinds.py`` fails until both exist.
+2. **Selection** (``twinkle_select_*``, ``firstresult=True``): the first plugin that answers wins; the core
+   answers last (``trylast``) with its built-in rule, so a plugin that returns ``None`` defers.
+3. **Behaviour** (build, step, evaluate, checkpoint, export, sample): not hooks but the methods the core calls
+   on a registered implementation (``Task.adapter_config``, ``Task.process_outputs``,
+   ``Strategy.forward_context``, ``TorchTwinkleModel.build_network`` ...). They are listed, with who calls
+   each and when and a one-line example, in :data:`twinkle_core.contracts.SEAMS`
+   (``python -m twinkle_core.contracts`` prints the table as Markdown).
 
 A plugin is a module (or object) with functions marked ``@twinkle_core.hookimpl``, exposed
 through the ``twinkle`` entry-point group::
@@ -24,6 +34,7 @@ import pluggy
 if TYPE_CHECKING:
     from twinkle_core.records import (
         AcceleratorRecord,
+        CommandRecord,
         ConformanceTarget,
         KernelRecord,
         LossRecord,
@@ -43,6 +54,11 @@ if TYPE_CHECKING:
 PROJECT_NAME = "twinkle"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# ====================================================================== 1. registration
+# Called by TwinklePlugins.records(kind) the first time a kind is looked up; a hook that raises is
+# reported and its plugin skipped (see twinkle_core.plugins).
 
 
 @hookspec
@@ -117,21 +133,6 @@ def twinkle_register_sources() -> Iterable[SourceRecord]:
     """
 
 
-@hookspec(firstresult=True)
-def twinkle_select_source(uri: str, sources: dict[str, SourceRecord]) -> SourceRecord | None:
-    """Pick the source that resolves ``uri``; return ``None`` to let another plugin decide.
-
-    The core answers last, by URI scheme (``ms://``, ``hf://``) or as a local path.
-
-    Example::
-
-        @hookimpl(tryfirst=True)
-        def twinkle_select_source(uri, sources):
-            if uri.startswith("s3://"):
-                return sources["s3"]
-    """
-
-
 @hookspec
 def twinkle_register_accelerators() -> Iterable[AcceleratorRecord]:
     """Register accelerators (device type + collective backend).
@@ -141,20 +142,6 @@ def twinkle_register_accelerators() -> Iterable[AcceleratorRecord]:
         @hookimpl
         def twinkle_register_accelerators():
             yield AcceleratorRecord("npu", "twinkle_backend_npu.accelerator:NPUAccelerator")
-    """
-
-
-@hookspec(firstresult=True)
-def twinkle_select_accelerator(accelerators: dict[str, AcceleratorRecord]) -> AcceleratorRecord | None:
-    """Return the accelerator present on this machine, or ``None``. ``cpu`` answers last.
-
-    Example::
-
-        @hookimpl
-        def twinkle_select_accelerator(accelerators):
-            import importlib.util
-            if importlib.util.find_spec("torch_npu"):
-                return accelerators["npu"]
     """
 
 
@@ -271,4 +258,79 @@ def twinkle_register_conformance_targets() -> Iterable[ConformanceTarget]:
             yield ConformanceTarget("hf", "twinkle_backend_hf.testing:make_tiny_model")
             yield ConformanceTarget("hf-ddp", "twinkle_backend_hf.testing:make_tiny_model",
                                     options={"strategy": "ddp"}, world_size=2)
+    """
+
+
+@hookspec
+def twinkle_register_commands() -> Iterable[CommandRecord]:
+    """Register ``twinkle`` sub-commands. The core registers its own (``train``, ``plugins``, ``plot``) the same
+    way; a backend registers those that need its libraries (``twinkle-backend-hf``: ``chat``, ``export``,
+    ``eval``).
+
+    Called by the ``twinkle`` command each time it builds its parser; ``impl`` names a
+    :class:`twinkle_core.commands.Command` subclass whose module imports nothing heavy at import time.
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_commands():
+            yield CommandRecord("serve", "my_pkg.serve:ServeCommand", "serve a checkpoint over HTTP")
+    """
+
+
+# ====================================================================== 2. selection
+# firstresult=True: the first non-None answer wins; the core's own answer comes last (trylast).
+
+
+@hookspec(firstresult=True)
+def twinkle_select_source(uri: str, sources: dict[str, SourceRecord]) -> SourceRecord | None:
+    """Pick the source that resolves ``uri``; return ``None`` to let another plugin decide.
+
+    Called by :func:`twinkle_core.sources.resolve.resolve_model` when a model's ``model_id`` (or a
+    tokenizer's) is turned into a local directory, before the backend builds the network.
+    The core answers last, by URI scheme (``ms://``, ``hf://``) or as a local path.
+
+    Example::
+
+        @hookimpl(tryfirst=True)
+        def twinkle_select_source(uri, sources):
+            if uri.startswith("s3://"):
+                return sources["s3"]
+    """
+
+
+@hookspec(firstresult=True)
+def twinkle_select_accelerator(accelerators: dict[str, AcceleratorRecord]) -> AcceleratorRecord | None:
+    """Return the accelerator present on this machine, or ``None``. ``cpu`` answers last.
+
+    Called by :func:`twinkle_core.accelerator.current_accelerator` (once per process, unless
+    ``TWINKLE_ACCELERATOR`` forces one) and by ``twinkle plugins`` to mark the active accelerator.
+
+    Example::
+
+        @hookimpl
+        def twinkle_select_accelerator(accelerators):
+            import importlib.util
+            if importlib.util.find_spec("torch_npu"):
+                return accelerators["npu"]
+    """
+
+
+@hookspec(firstresult=True)
+def twinkle_select_default_strategy(model_class: type | None, world_size: int) -> str | None:
+    """The strategy a job of ``world_size`` processes gets for ``model_class`` when it names none; ``None``
+    lets another plugin (and finally the core) decide.
+
+    Called by :func:`twinkle_core.mesh.default_strategy`: in a model's constructor built without ``strategy=``,
+    and when ``twinkle train`` validates a recipe without ``strategy.name``. ``model_class`` is ``None`` when
+    the caller has no model class yet. The core answers last: the first of the class's declared
+    ``supported_strategies``, else ``single`` for one process; with more processes and no answer it is an
+    error naming the distributions to install.
+
+    Example::
+
+        @hookimpl
+        def twinkle_select_default_strategy(model_class, world_size):
+            if model_class is not None and issubclass(model_class, MyShardedModel):
+                return "my_sharded"
     """

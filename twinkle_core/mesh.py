@@ -21,11 +21,6 @@ ALL_DIMENSIONS = (*DIMENSIONS, "vpp")
 #: ``sequence_parallel=2`` is ``mesh={"sp": 2}`` (Ulysses: each sequence split over 2 ranks)
 SPEC_KEYS: dict[str, str] = {**{f"{dim}_size": dim for dim in ALL_DIMENSIONS}, "sequence_parallel": "sp"}
 
-#: the strategy a job gets when it names none: one process needs no wrapper; more than one get the
-#: spec's default, Accelerate-managed FSDP (a model class that runs on one strategy only gets that one)
-DEFAULT_STRATEGY_ONE_PROCESS = "single"
-DEFAULT_STRATEGY_DISTRIBUTED = "accelerate"
-
 
 @dataclass(frozen=True)
 class DeviceMesh:
@@ -117,17 +112,37 @@ class DeviceMesh:
 
 
 def default_strategy(model_cls: type | None = None, world_size: int | None = None) -> str:
-    """The strategy used when none is given (the one place this is decided).
+    """The strategy used when none is given (the one place this is decided), for a job of ``world_size``
+    processes (default: ``WORLD_SIZE``).
 
-    * a model class that declares ``supported_strategies`` gets the first of them (``MegatronModel``: ``megatron``);
-    * one process (``WORLD_SIZE`` unset or 1): ``single``, no wrapper;
-    * more than one: ``accelerate`` (Accelerate-managed FSDP, the spec's default).
+    The plugins choose, through ``twinkle_select_default_strategy``: a backend's plugin answers for its model
+    classes (``twinkle-backend-hf``: ``accelerate``, Accelerate-managed FSDP, for more than one process;
+    ``twinkle-backend-megatron``: ``megatron`` for ``MegatronModel``); the core answers last with the first of
+    the class's declared ``supported_strategies``, else ``single`` for one process. A distributed job nobody
+    answers for is a :class:`ConfigError` naming what to install.
     """
-    declared = getattr(model_cls, "supported_strategies", None)
-    if declared:
-        return declared[0]
+    from twinkle_core.plugins import get_plugins
+
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    return DEFAULT_STRATEGY_DISTRIBUTED if world > 1 else DEFAULT_STRATEGY_ONE_PROCESS
+    plugins = get_plugins()
+    chosen = plugins.select_default_strategy(model_cls, world)
+    if chosen is None:
+        raise ConfigError(_no_default_strategy(model_cls, world, plugins.names("strategy")))
+    return chosen
+
+
+def _no_default_strategy(model_cls: type | None, world: int, installed: list[str]) -> str:
+    from twinkle_core.catalog import PROVIDERS
+
+    provided: dict[str, list[str]] = {}
+    for (kind, name), dist in PROVIDERS.items():
+        if kind == "strategy" and name not in installed:
+            provided.setdefault(dist, []).append(name)
+    model = f" of {model_cls.__name__}" if model_cls is not None else ""
+    hint = "; ".join(f"pip install {dist} ({', '.join(sorted(names))})" for dist, names in sorted(provided.items()))
+    return (f"no installed plugin chooses the strategy of a {world}-process job{model}: name one (strategy.name "
+            f"in a recipe, strategy= in Python) among the installed strategies ({', '.join(installed) or 'none'})"
+            + (f", or install a backend that provides one: {hint}" if hint else ""))
 
 
 def suggest_spec_key(key: str) -> str | None:

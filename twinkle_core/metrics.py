@@ -5,6 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+from twinkle_core.constants import IGNORE_INDEX
+
 
 class Metric(ABC):
     """Accumulates sums during micro-batches; ``compute`` turns the (globally summed) totals into values.
@@ -89,8 +91,8 @@ class TokenAccuracy(Metric):
         from twinkle_core.loss.logprobs import next_token_labels
 
         predicted = logits.argmax(-1)
-        target = next_token_labels(inputs, -100, predicted.device)
-        mask = target != -100
+        target = next_token_labels(inputs, IGNORE_INDEX, predicted.device)
+        mask = target != IGNORE_INDEX
         self.correct += float((predicted.eq(target) & mask).sum())
         self.total += float(mask.sum())
 

@@ -277,6 +277,10 @@ class TwinklePlugins:
             raise PluginNotFoundError("source", scheme, list(sources), install_hint("source", scheme))
         return chosen
 
+    def select_default_strategy(self, model_class: type | None, world_size: int) -> str | None:
+        """The strategy the plugins choose for ``model_class`` on ``world_size`` processes (``None``: no answer)."""
+        return self._select("twinkle_select_default_strategy", model_class=model_class, world_size=world_size)
+
     def _select(self, hook_name: str, **kwargs: Any) -> Any:
         """Call a ``twinkle_select_*`` hook; a plugin raising in it is named in a :class:`PluginHookError`."""
         caller = getattr(self.pm.hook, hook_name)

@@ -25,9 +25,15 @@ class Precision(ABC):
 
     name: ClassVar[str] = ""
     autocast_dtype: ClassVar[str | None] = None
+    #: the accelerator's capability this mode needs (``"bf16"`` asks ``accelerator.supports_bf16()``), and what
+    #: to say when it is missing (``{accelerator}`` is the accelerator's description)
+    needs: ClassVar[str | None] = None
+    refusal: ClassVar[str] = ""
 
     def check_supported(self, accelerator: Accelerator) -> None:
         """Raise :class:`UnsupportedHardwareError` when ``accelerator`` cannot run this mode."""
+        if self.needs is not None and not getattr(accelerator, f"supports_{self.needs}")():
+            raise UnsupportedHardwareError(self.refusal.format(accelerator=accelerator.describe()))
 
     def prepare_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
@@ -64,12 +70,8 @@ class FullPrecision(Precision):
 class BF16Precision(Precision):
     name = "bf16"
     autocast_dtype = "bfloat16"
-
-    def check_supported(self, accelerator: Accelerator) -> None:
-        if not accelerator.supports_bf16():
-            raise UnsupportedHardwareError(
-                f"precision 'bf16' is not supported on {accelerator.describe()}; use precision 'fp16' or 'no'"
-            )
+    needs = "bf16"
+    refusal = "precision 'bf16' is not supported on {accelerator}; use precision 'fp16' or 'no'"
 
 
 class FP16Precision(Precision):
@@ -121,13 +123,12 @@ class FP8Precision(Precision):
 
     name = "fp8"
     autocast_dtype = "bfloat16"
+    needs = "fp8"
+    refusal = ("precision 'fp8' needs a GPU with float8 tensor cores (NVIDIA Ada/Hopper, compute capability >= 8.9); "
+               "this machine has {accelerator}. Use precision 'bf16' instead.")
 
     def check_supported(self, accelerator: Accelerator) -> None:
-        if not accelerator.supports_fp8():
-            raise UnsupportedHardwareError(
-                f"precision 'fp8' needs a GPU with float8 tensor cores (NVIDIA Ada/Hopper, compute capability "
-                f">= 8.9); this machine has {accelerator.describe()}. Use precision 'bf16' instead."
-            )
+        super().check_supported(accelerator)
         if importlib.util.find_spec("torchao") is None:
             raise UnsupportedHardwareError("precision 'fp8' needs torchao: pip install torchao")
 

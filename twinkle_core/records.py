@@ -165,6 +165,19 @@ class ConformanceTarget(PluginRecord):
     register_hook: ClassVar[str] = "twinkle_register_conformance_targets"
 
 
+@dataclass(frozen=True)
+class CommandRecord(PluginRecord):
+    """A ``twinkle`` sub-command: ``name`` is the word typed after ``twinkle``, ``description`` its line in
+    ``twinkle --help``, and ``impl`` a :class:`twinkle_core.commands.Command` subclass (built with no arguments).
+
+    The command's module is imported when the parser is built, so it imports torch and its other heavy
+    dependencies inside ``run`` only.
+    """
+
+    kind: ClassVar[str] = "command"
+    register_hook: ClassVar[str] = "twinkle_register_commands"
+
+
 # every plugin kind, in the order ``twinkle plugins`` lists them
 RECORD_TYPES: tuple[type[PluginRecord], ...] = (
     ModelRecord,
@@ -182,5 +195,6 @@ RECORD_TYPES: tuple[type[PluginRecord], ...] = (
     TrackerRecord,
     KernelRecord,
     ConformanceTarget,
+    CommandRecord,
 )
 KINDS: dict[str, type[PluginRecord]] = {r.kind: r for r in RECORD_TYPES}

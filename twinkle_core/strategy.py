@@ -12,6 +12,16 @@ Two things reach a strategy, each by one road:
   :class:`OptimizerHandle`. Every gradient hook receives that handle; whatever the strategy tracks per
   optimizer (an engine, a distributed optimizer, an accumulation flag) lives on its own handle subclass,
   never in a table keyed by ``id(optimizer)``.
+
+Precision has one owner, the strategy (as Lightning's strategy owns its precision plugin). The model never
+applies its precision itself: every forward runs in :meth:`Strategy.forward_context`, the loss it
+back-propagates goes through :meth:`Strategy.scale_loss`, the gradients through
+:meth:`Strategy.unscale_gradients` before they are normalised, measured or clipped, and the optimizer steps
+in :meth:`Strategy.optimizer_step`. The defaults apply ``self.precision`` (autocast, the fp16 loss scaler,
+its step); a strategy whose engine runs mixed precision itself overrides these hooks in one place (DeepSpeed:
+bf16 with fp32 master weights in the engine, no loss scaling, ``engine.step()``), and a strategy with a
+precision setting of its own derives it from ``self.precision`` and refuses one that contradicts it
+(``native_fsdp``'s ``mixed_precision``).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from twinkle_core import distributed
+from twinkle_core.checkpoint_layout import CheckpointLayout
 from twinkle_core.mesh import DeviceMesh
 
 if TYPE_CHECKING:
@@ -70,6 +81,9 @@ class Strategy(ABC):
     #: inside tensor-parallel regions); every alias not named here is folded into the mesh by the model
     #: (``sequence_parallel=2`` is mesh ``sp=2``), and a boolean one is refused.
     spec_options: ClassVar[frozenset[str]] = frozenset()
+    #: whether a training checkpoint written by this strategy resumes on another number of processes (its
+    #: optimizer state is saved unsharded or resharded on load, as DCP and Megatron's dist_checkpointing do)
+    reshards_checkpoints: ClassVar[bool] = False
 
     def __init__(self, mesh: DeviceMesh | None = None, *, precision: Precision | None = None,
                  **options: Any) -> None:
@@ -173,6 +187,17 @@ class Strategy(ABC):
         """Divide ``handle``'s gradients by the loss scale, before they are normalised, measured or clipped."""
         self.precision.unscale_(handle.optimizer)
 
+    def prepare_precision(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The network converted for the precision, before it is placed and wrapped (fp8: float8 linear layers)."""
+        return self.precision.prepare_module(module)
+
+    def precision_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the precision (the fp16 loss scaler's state; empty otherwise)."""
+        return self.precision.state_dict()
+
+    def load_precision_state(self, state: dict[str, Any]) -> None:
+        self.precision.load_state_dict(state)
+
     # ------------------------------------------------------------------ gradients
     def global_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum ``value`` over the data-parallel ranks."""
@@ -232,12 +257,12 @@ class Strategy(ABC):
 
         state = handle.optimizer.state_dict()
         if self.is_main_process:
-            torch.save(state, os.path.join(directory, "optimizer.pt"))
+            torch.save(state, CheckpointLayout.optimizer_file(directory))
 
     def load_optimizer_state(self, directory: str, module: torch.nn.Module, handle: OptimizerHandle) -> None:
         from twinkle_core.checkpoint import load_state_file
 
-        handle.optimizer.load_state_dict(load_state_file(os.path.join(directory, "optimizer.pt")))
+        handle.optimizer.load_state_dict(load_state_file(CheckpointLayout.optimizer_file(directory)))
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "mesh": self.mesh.to_dict() if self.mesh else None, **self.options}

@@ -67,6 +67,18 @@ class Task(ABC):
     def collate(self, features: list[Any]) -> dict[str, Any]:
         """Turn a list of features into one batch of tensors."""
 
+    @classmethod
+    def check_recipe(cls, recipe: Any) -> list[str]:
+        """The problems of a training recipe (a :class:`twinkle_core.train.recipe.Recipe`) for this task that only the task knows (which ``data.mode`` values
+        its ``load_dataset`` reads ...), each ``"key.path: message"``. Default: none.
+
+        Who calls it and when: the recipe checker (:func:`twinkle_core.train.recipe.recipe_from_dict`, so also
+        ``twinkle train`` and :func:`twinkle_core.train.loop.train`), once the recipe's types are right and before
+        anything is built or launched; the problems are reported together with the recipe's own. A class method:
+        no task exists yet, and nothing heavy (torch, a backend) may be imported here.
+        """
+        return []
+
     def evaluate(self, model: TwinkleModel, dataset: Any, tokenizer: Any, **options: Any) -> dict[str, float]:
         """Held-out metrics (default: none beyond the evaluation loss computed by the loop)."""
         return {}

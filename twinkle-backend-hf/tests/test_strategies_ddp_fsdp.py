@@ -133,10 +133,10 @@ def test_accelerate_strict_refuses_on_cpu_before_joining():
 
 
 def test_unknown_options_and_unsupported_mesh_dimensions_are_clear_errors():
-    from twinkle_backend_hf.strategies import _dist
     from twinkle_backend_hf.strategies.ddp import DDPStrategy
     from twinkle_backend_hf.strategies.fsdp import NativeFSDPStrategy
 
+    from twinkle_core.capabilities import check_mesh
     from twinkle_core.errors import ConfigError
     from twinkle_core.mesh import DeviceMesh
 
@@ -145,17 +145,17 @@ def test_unknown_options_and_unsupported_mesh_dimensions_are_clear_errors():
     with pytest.raises(ConfigError, match="reshard_after_forward"):
         NativeFSDPStrategy(reshard=True)
     with pytest.raises(ConfigError, match="tp=2"):
-        _dist.check_mesh("ddp", DeviceMesh(dp=2, tp=2), ("dp",))
+        check_mesh("ddp", DeviceMesh(dp=2, tp=2), ("dp",))
     with pytest.raises(ConfigError, match="fsdp=2"):
-        _dist.check_mesh("ddp", DeviceMesh(fsdp=2), ("dp",))
-    _dist.check_mesh("native_fsdp", DeviceMesh(dp=2, fsdp=2), ("dp", "fsdp"))
+        check_mesh("ddp", DeviceMesh(fsdp=2), ("dp",))
+    check_mesh("native_fsdp", DeviceMesh(dp=2, fsdp=2), ("dp", "fsdp"))
 
 
 def test_transformer_blocks_are_found_through_peft_and_without_no_split_modules():
     import copy
 
     import torch
-    from twinkle_backend_hf.strategies._dist import transformer_blocks
+    from twinkle_backend_hf.strategies.model_parts import transformer_blocks
     from twinkle_backend_hf.testing import make_tiny_model
 
     from twinkle_core.testing.conformance import LORA_CONFIG

@@ -5,7 +5,7 @@ are skipped when DeepSpeed is not installed. The engine scenarios run this file 
 script (``python test_strategy_deepspeed.py scenario STAGE OUT_DIR``). Nothing is JIT-compiled: the
 strategy uses torch optimizers and skips DeepSpeed's CPU inference all-reduce op.
 
-The configuration and ``_OptimizerGroup`` tests at the top need neither DeepSpeed nor several processes.
+The configuration and ``OptimizerGroup`` tests at the top need neither DeepSpeed nor several processes.
 """
 
 from __future__ import annotations
@@ -105,11 +105,11 @@ def test_strategy_is_registered():
 
 def test_optimizer_group_steps_only_the_active_member():
     """Several adapters' optimizers on one engine: a step moves only the optimizer being stepped."""
-    from twinkle_backend_hf.strategies.deepspeed import _OptimizerGroup
+    from twinkle_backend_hf.strategies.deepspeed_optimizer_group import OptimizerGroup
 
     a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
     opt_a, opt_b = torch.optim.AdamW([a], lr=0.1), torch.optim.AdamW([b], lr=0.1)
-    group = _OptimizerGroup([opt_a, opt_b])
+    group = OptimizerGroup([opt_a, opt_b])
     assert group.param_groups[0] is opt_a.param_groups[0] and group.param_groups[1] is opt_b.param_groups[0]
     a.grad, b.grad = torch.ones(4), torch.ones(4)
     group.active = opt_a
@@ -121,7 +121,7 @@ def test_optimizer_group_steps_only_the_active_member():
     group.active = None
     group.param_groups = [opt_b.param_groups[0]]
     group.step()
-    group._refresh_groups()
+    group.refresh_groups()
     assert torch.equal(a.detach(), before) and not torch.equal(b.detach(), torch.ones(4))
     # a member's scheduler changes the lr DeepSpeed sees
     opt_a.param_groups[0]["lr"] = 0.5
@@ -129,7 +129,7 @@ def test_optimizer_group_steps_only_the_active_member():
     # state round trip, member by member
     state = copy.deepcopy(group.state_dict())
     a2, b2 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
-    fresh = _OptimizerGroup([torch.optim.AdamW([a2], lr=0.1), torch.optim.AdamW([b2], lr=0.1)])
+    fresh = OptimizerGroup([torch.optim.AdamW([a2], lr=0.1), torch.optim.AdamW([b2], lr=0.1)])
     fresh.load_state_dict(state)
     assert fresh.param_groups[0]["lr"] == 0.5
     assert fresh.param_groups[0] is fresh.optimizers[0].param_groups[0], "groups re-linked after loading"

@@ -15,6 +15,7 @@ from twinkle_backend_hf.testing import make_tiny_model, tiny_qwen2_config
 
 from twinkle_core import checkpoint
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
+from twinkle_core.model import checkpoint_io
 from twinkle_core.testing.conformance import LORA_CONFIG, make_batch
 
 
@@ -142,7 +143,7 @@ def test_a_crash_mid_save_leaves_no_complete_looking_checkpoint(tmp_path, monkey
     def explode(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(model, "_save_training_state", explode)
+    monkeypatch.setattr(checkpoint_io, "save_training_state", explode)
     with pytest.raises(OSError, match="disk full"):
         model.save("checkpoint-5", output_dir=str(tmp_path))
     assert not (tmp_path / "checkpoint-5").exists()

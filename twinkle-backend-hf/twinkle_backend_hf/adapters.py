@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from typing import Any
@@ -10,36 +9,27 @@ from typing import Any
 import torch
 
 from twinkle_core.errors import ConfigError
+from twinkle_core.lora import LoraSettings
 
 # PEFT layer attributes that hold per-adapter weights
 _ADAPTER_LAYERS = {"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector",
                    "modules_to_save"}
-#: other frameworks' names for PEFT's LoRA options
-_LORA_ALIASES = {"alpha": "lora_alpha", "rank": "r", "dropout": "lora_dropout", "target": "target_modules"}
-_LORA_KEYS = {"r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora", "use_dora",
-              "modules_to_save", "init_lora_weights", "rank_pattern", "alpha_pattern", "layers_to_transform"}
+#: the PEFT LoRA options a dict config may give on this backend
+LORA_OPTIONS = frozenset({"r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora", "use_dora",
+                          "modules_to_save", "init_lora_weights", "rank_pattern", "alpha_pattern",
+                          "layers_to_transform"})
 
 
 def to_peft_config(config: Any) -> Any:
-    """A ``peft.PeftConfig`` as is, or a dict ``{"type": "lora", "r": 8, ...}``."""
+    """A ``peft.PeftConfig`` as is (any PEFT method), or a dict ``{"type": "lora", "r": 8, ...}`` read through the
+    core's :class:`~twinkle_core.lora.LoraSettings` (the same checks and errors as every backend)."""
     import peft
 
     if isinstance(config, peft.PeftConfig):
         return config
     if not isinstance(config, dict):
         raise ConfigError(f"adapter config must be a dict or a peft config, got {type(config).__name__}")
-    config = dict(config)
-    kind = config.pop("type", "lora")
-    if kind != "lora":
-        raise ConfigError(f"adapter type {kind!r} is not supported by dict configs; pass a peft config object")
-    unknown = set(config) - _LORA_KEYS
-    if unknown:
-        meant = {key: _LORA_ALIASES.get(key) or next(iter(difflib.get_close_matches(key, _LORA_KEYS, n=1)), None)
-                 for key in sorted(unknown)}
-        hints = "; ".join(f"did you mean {m!r} for {k!r}?" for k, m in meant.items() if m)
-        raise ConfigError(f"unknown LoRA option(s) {sorted(unknown)}" + (f"; {hints}" if hints else "")
-                          + f" Known: {sorted(_LORA_KEYS)}")
-    return peft.LoraConfig(task_type=None, **config)
+    return LoraSettings.from_config(config, backend="the HF backend", supported=LORA_OPTIONS).to_peft()
 
 
 def add_adapter(module: torch.nn.Module, name: str, config: Any) -> torch.nn.Module:

@@ -42,6 +42,8 @@ _PLAIN_HEAD_MODEL_TYPES = frozenset({
 
 class TransformersModel(TorchTwinkleModel):
     model_input_keys = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
+    #: one transformers auto class per kind (``_AUTO_CLASSES``)
+    supported_model_kinds = tuple(_AUTO_CLASSES)
 
     def __init__(self, *, model_id: str | None = None, config: Any = None, revision: str | None = None,
                  trust_remote_code: bool | None = None, attn_implementation: str | None = None,
@@ -141,10 +143,12 @@ class TransformersModel(TorchTwinkleModel):
         return self.hf_model.config
 
     @property
-    def hf_model(self) -> Any:
+    def network(self) -> Any:
         """The underlying ``transformers`` model (inside PEFT's wrapper when adapters exist)."""
         module = self.module
         return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+    hf_model = network  # the name Hugging Face users look for
 
     def output_layer(self) -> torch.nn.Linear | None:
         if getattr(self.task, "model_kind", "causal_lm") != "causal_lm":
@@ -155,20 +159,18 @@ class TransformersModel(TorchTwinkleModel):
         return head if type(head) is torch.nn.Linear else None  # a LoRA- or fp8-wrapped head computes more
 
     def run_network(self, module: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
-        keys = (*self.model_input_keys, *getattr(self.task, "model_inputs", ()))
-        kwargs = {k: v for k, v in inputs.items() if k in keys}
+        kwargs = dict(inputs)  # the core hands over network_input_keys only (the task's model_inputs included)
         if getattr(self.task, "model_kind", "causal_lm") in _GENERATIVE_KINDS:
             kwargs["use_cache"] = False
         out = module(**kwargs)
         return {k: v for k, v in out.items() if v is not None}
 
     # ------------------------------------------------------------------ adapters
+    def adapter_config_for(self, config: Any) -> Any:
+        return adapters.to_peft_config(config)
+
     def attach_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
-        peft_config = adapters.to_peft_config(config)
-        narrow = getattr(self.task, "adapter_config", None)  # Task.adapter_config: e.g. a VLM's LoRA on its LM only
-        if narrow is not None:
-            peft_config = adapters.to_peft_config(narrow(self, peft_config))
-        self.module = adapters.add_adapter(self.module, adapter_name, peft_config)
+        self.module = adapters.add_adapter(self.module, adapter_name, config)
         self.module.to(self.device)
 
     def detach_adapter(self, adapter_name: str) -> None:

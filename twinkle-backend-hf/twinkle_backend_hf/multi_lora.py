@@ -29,10 +29,10 @@ class MultiLoraTransformersModel(MultiTenantMixin, TransformersModel):
     _switch: adapters.AdapterSwitch | None = None
     _switch_wrapped: Any = None  # the wrapped module the switch was built for
 
-    def _tenant_lora_config(self, config: Any) -> Any:
+    def tenant_lora_config(self, config: Any) -> Any:
         return adapters.to_peft_config(config)
 
-    def _lora_rank(self, lora_config: Any) -> int:
+    def lora_rank(self, lora_config: Any) -> int:
         return max([lora_config.r, *getattr(lora_config, "rank_pattern", {}).values()])
 
     # ------------------------------------------------------------------ tenant switching

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from twinkle_core import ConformanceTarget, ModelRecord, StrategyRecord, hookimpl
+from twinkle_core.records import CommandRecord
 
 _PKG = "twinkle_backend_hf"
 
@@ -22,6 +23,26 @@ def twinkle_register_strategies():
     yield StrategyRecord("deepspeed", f"{_PKG}.strategies.deepspeed:DeepSpeedStrategy", "DeepSpeed ZeRO 1/2/3")
     yield StrategyRecord("ulysses", f"{_PKG}.sequence_parallel.strategy:SequenceParallelStrategy",
                          "Ulysses sequence parallel (mesh.sp) over DDP (mesh.dp)")
+
+
+@hookimpl
+def twinkle_select_default_strategy(model_class, world_size):
+    # the spec's default for more than one process is Accelerate-managed FSDP; it wraps any torch network, so it
+    # answers for every model class that does not name its own strategies (those the core answers for)
+    if world_size > 1 and not getattr(model_class, "supported_strategies", None):
+        return "accelerate"
+    return None
+
+
+@hookimpl
+def twinkle_register_commands():
+    # these load checkpoints with transformers and peft, which this distribution depends on
+    yield CommandRecord("chat", f"{_PKG}.commands.chat:ChatCommand", "chat with a checkpoint in the terminal")
+    yield CommandRecord("export", f"{_PKG}.commands.export:ExportCommand",
+                        "write a plain Hugging Face model directory (merging a LoRA adapter), optionally push it "
+                        "to the Hub")
+    yield CommandRecord("eval", f"{_PKG}.commands.evaluate:EvalCommand",
+                        "loss / perplexity / exact match on a data set (and lm-eval tasks with --tasks)")
 
 
 @hookimpl

@@ -22,7 +22,7 @@ from twinkle_backend_megatron.testing import (
 )
 
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
-from twinkle_core.testing.conformance import LORA_CONFIG, ModelContract, make_batch
+from twinkle_core.testing.conformance import LORA_CONFIG, ModelContract, TaskContract, make_batch
 from twinkle_core.testing.tolerance import (
     assert_within_spread,
     forward_tolerance,
@@ -33,6 +33,14 @@ from twinkle_core.testing.tolerance import (
 
 class TestMegatronModelContract(ModelContract):
     """The core's suite, unchanged, against MegatronModel in one process."""
+
+    @pytest.fixture
+    def twinkle_factory(self):
+        return make_tiny_model
+
+
+class TestMegatronModelTasks(TaskContract):
+    """The task side: the causal LM it declares builds; the other kinds are refused before building."""
 
     @pytest.fixture
     def twinkle_factory(self):

@@ -1,64 +1,70 @@
 """LoRA adapters on a ``MegatronModel``: adding, removing, activating and gathering them.
 
 The adapter layers themselves (sharded like the base layers they hang under) are ``lora.py``'s ``MegatronLora``;
-this is the model side the core's per-adapter training state calls.
+:class:`MegatronAdapters` is what the model's adapter hooks call.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from twinkle_backend_megatron import convert
+from twinkle_backend_megatron.weights import chunks_of, gather_over_pipeline
 from twinkle_core.errors import ConfigError
 
 
-class MegatronAdaptersMixin:
-    """The core's adapter hooks of a ``MegatronModel``, on ``lora.py``'s ``MegatronLora``."""
+class MegatronAdapters:
+    """The LoRA adapters of one Megatron network (``module``: one chunk or a ``ModuleList`` of chunks)."""
 
-    def attach_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+    def __init__(self, module: torch.nn.Module, spec: convert.ModelSpec, *, seed: int, pp: int,
+                 sequence_parallel: bool) -> None:
+        self.module, self.spec, self.seed, self.pp = module, spec, seed, pp
+        self.sequence_parallel = sequence_parallel
+        self.lora: Any = None  # lora.MegatronLora, made with the first adapter
+
+    def attach(self, adapter_name: str, config: Any, device: torch.device) -> None:
         from twinkle_backend_megatron.lora import MegatronLora
 
-        if self.strategy.options["sequence_parallel"]:
+        if self.sequence_parallel:
             raise ConfigError("LoRA adapters with sequence_parallel=True are not supported yet")
-        if self._lora is None:
+        if self.lora is None:
             for p in self.module.parameters():  # the base is frozen once it carries adapters (as PEFT does)
                 p.requires_grad_(False)
-            self._lora = MegatronLora(self.chunks, self.spec, self.seed)
-        self._adapters_config[adapter_name] = self._lora.add(adapter_name, config)
-        self.module.to(self.device)
+            self.lora = MegatronLora(chunks_of(self.module), self.spec, self.seed)
+        self.lora.add(adapter_name, config)
+        self.module.to(device)
 
-    def detach_adapter(self, adapter_name: str) -> None:
-        self._lora.remove(adapter_name)
-        self._adapters_config.pop(adapter_name, None)
+    def detach(self, adapter_name: str) -> None:
+        self.lora.remove(adapter_name)
+
+    def config(self, adapter_name: str) -> Any:
+        """The adapter's ``peft.LoraConfig``."""
+        return self.lora.configs[adapter_name]
 
     @contextlib.contextmanager
-    def activate_adapter(self, adapter_name: str | None) -> Any:
-        if self._lora is None:
+    def activate(self, adapter_name: str | None) -> Iterator[None]:
+        """``adapter_name`` (``None``: none) is the adapter the LoRA hooks apply; the previous one after."""
+        if self.lora is None:
             yield
             return
-        previous = self._lora.active.name
-        self._lora.active.name = adapter_name
+        previous = self.lora.active.name
+        self.lora.active.name = adapter_name
         try:
             yield
         finally:
-            self._lora.active.name = previous
+            self.lora.active.name = previous
 
-    def deactivate_adapters(self) -> Any:
-        # the LoRA hooks (lora.py) add nothing while no adapter is active; the previous one is restored after
-        return self.activate_adapter(None)
+    def parameter_names(self, adapter_name: str) -> list[str]:
+        return self.lora.parameter_names(adapter_name)
 
-    def adapter_parameter_names(self, adapter_name: str) -> list[str]:
-        return self._lora.parameter_names(adapter_name)
+    def state_dict(self, adapter_name: str) -> dict[str, torch.Tensor]:
+        """Full PEFT-named weights of the adapter, on every rank (collective over TP and PP)."""
+        return gather_over_pipeline(self.lora.full_state_dict(adapter_name), self.pp)
 
-    def _adapter_state_dict(self, adapter_name: str) -> dict[str, torch.Tensor]:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        out = self._lora.full_state_dict(adapter_name)
-        if self.pp_size > 1:
-            gathered: list[Any] = [None] * self.pp_size
-            dist.all_gather_object(gathered, out, group=ps.get_pipeline_model_parallel_group())
-            out = {k: v for part in gathered for k, v in part.items()}
-        return dict(sorted(out.items()))
+    def local_state(self, adapter_name: str, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's shards (keyed like the model's parameters) from full PEFT-named weights."""
+        return self.lora.local_state(adapter_name, full)

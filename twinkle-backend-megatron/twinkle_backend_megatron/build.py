@@ -7,135 +7,189 @@ spec, one chunk per virtual pipeline stage, loaded from the checkpoint or from t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from twinkle_backend_megatron import convert, padding, recompute
+from twinkle_backend_megatron import convert, padding
+from twinkle_backend_megatron import recompute as recompute_settings
+from twinkle_backend_megatron.forward import enable_position_ids
+from twinkle_backend_megatron.weights import ShardedWeights, chunks_of
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
 from twinkle_core.sources import resolve
 
-_RECOMPUTE = {
-    None: {},
-    "none": {},
-    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-    "selective": {"recompute_granularity": "selective"},
-}
 
+@dataclass(frozen=True)
+class NetworkOptions:
+    """A ``MegatronModel``'s own constructor options, checked: where its network comes from and how it is built."""
 
-class MegatronBuildMixin:
-    """How a ``MegatronModel`` builds its network (the weight helpers it calls are in ``weights.py``)."""
+    model_id: str | None
+    config: Any
+    revision: str | None
+    trust_remote_code: bool
+    recompute: str | None
+    transformer_config: dict[str, Any]
 
-    def _hf_config(self) -> Any:
+    @classmethod
+    def checked(cls, *, model_id: str | None, config: Any, revision: str | None, trust_remote_code: bool | None,
+                recompute: str | None, transformer_config: dict[str, Any] | None, attn_implementation: str | None,
+                gradient_checkpointing: bool, precision: Any) -> NetworkOptions:
+        """The options, or the ``ConfigError`` / ``UnsupportedHardwareError`` that says what to change."""
+        if model_id is None and config is None:
+            raise ConfigError("MegatronModel needs model_id= (a path, hf:// or ms:// id) or config= "
+                              "(a transformers config or a dict with model_type)")
+        # the two options every model class takes from the trainer (see twinkle_core.train.loop)
+        if attn_implementation is not None:
+            raise ConfigError(f"model.attn_implementation={attn_implementation!r}: MegatronModel builds megatron-core's "
+                              f"own attention; remove the option")
+        if gradient_checkpointing and recompute is None:
+            recompute = "full"  # activation checkpointing, in megatron-core's terms
+        if recompute not in recompute_settings.SETTINGS:
+            raise ConfigError(f"recompute must be one of {[k for k in recompute_settings.SETTINGS if k]} or None, "
+                              f"got {recompute!r}")
+        if getattr(precision, "name", precision) == "fp8":
+            raise UnsupportedHardwareError("precision 'fp8' on the Megatron backend needs Transformer Engine layers, "
+                                           "which this release does not build (local layer spec); use 'bf16'")
+        return cls(model_id, config, revision, resolve.trust_remote_code(trust_remote_code), recompute,
+                   dict(transformer_config or {}))
+
+    def hf_config(self, model_path: str | None) -> Any:
+        """The Hugging Face config: the checkpoint's, ``config=`` on its own, or ``config=`` over the checkpoint's."""
         import transformers
 
-        spec = self.config_spec
-        if self.model_path is not None and spec is None:
-            with resolve.explain_remote_code_refusal(f"the model {self.model_id!r}"):
-                return transformers.AutoConfig.from_pretrained(self.model_path,
-                                                               trust_remote_code=self.trust_remote_code)
+        spec = self.config
+        if model_path is not None and spec is None:
+            return self._checkpoint_config(model_path)
         if isinstance(spec, transformers.PretrainedConfig):
             return spec
         spec = dict(spec)
         model_type = spec.pop("model_type", None)
         if not model_type:
             raise ConfigError("model.config must name its model_type (e.g. qwen2, llama, qwen3)")
-        if self.model_path is not None:
-            with resolve.explain_remote_code_refusal(f"the model {self.model_id!r}"):
-                base = transformers.AutoConfig.from_pretrained(self.model_path,
-                                                               trust_remote_code=self.trust_remote_code)
+        if model_path is not None:
+            base = self._checkpoint_config(model_path)
             for key, value in spec.items():
                 setattr(base, key, value)
             return base
         return transformers.AutoConfig.for_model(model_type, **spec)
 
-    def _transformer_config(self) -> Any:
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
-        mesh, strategy = self.mesh, self.strategy
-        if self.spec.num_layers % (mesh.pp * mesh.vpp):
-            raise ConfigError(f"{self.spec.num_layers} layers cannot be split evenly over pp={mesh.pp} x vpp={mesh.vpp} "
-                              f"pipeline stages")
-        if self.spec.num_experts:
-            if self.accelerator.device_type == "cpu" and mesh.tp > 1:
-                raise UnsupportedHardwareError("MoE with tensor parallelism needs Transformer Engine / Apex on GPUs; "
-                                               "on CPU use mesh.ep for the experts and tp=1")
-            if self.spec.num_experts % mesh.ep:
-                raise ConfigError(f"mesh.ep={mesh.ep} must divide the number of experts ({self.spec.num_experts})")
-        elif mesh.ep > 1:
-            raise ConfigError(f"mesh.ep={mesh.ep} needs a mixture-of-experts model; {self.spec.model_type} is dense")
-        kwargs = convert.transformer_config_kwargs(self.hf_config, self.spec)
-        kwargs.update(
-            tensor_model_parallel_size=mesh.tp, pipeline_model_parallel_size=mesh.pp,
-            virtual_pipeline_model_parallel_size=mesh.vpp if mesh.vpp > 1 else None,
-            context_parallel_size=mesh.cp, expert_model_parallel_size=mesh.ep,
-            sequence_parallel=bool(strategy.options["sequence_parallel"]),
-            # weights come from the HF checkpoint / HF init right after the build
-            use_cpu_initialization=True, perform_initialization=False,
-            params_dtype=torch.float32, pipeline_dtype=torch.float32,
-            calculate_per_token_loss=True, batch_p2p_comm=bool(strategy.options["batch_p2p_comm"]),
-            deallocate_pipeline_outputs=False,
-            **_RECOMPUTE[self.recompute],
-        )
-        kwargs.update(self.transformer_config_overrides)
-        if self.recompute:
-            recompute.install()  # the recomputed forward must see the forward's autocast (bf16 / fp16)
-        return TransformerConfig(**kwargs)
-
-    def build_network(self) -> torch.nn.Module:
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.models.gpt.gpt_model import GPTModel
-
-        if self.model_id is not None:
-            from twinkle_core.sources.resolve import resolve_model
-
-            self.model_path = resolve_model(self.model_id, revision=self.revision)
-        self.hf_config = self._hf_config()
-        if getattr(self.hf_config, "use_cache", None):
-            self.hf_config.use_cache = False
-        self.spec = convert.model_spec(self.hf_config, self.mesh.tp)
-        # The random init (config only) is the HF model's, built first so the global RNG is where a
-        # TransformersModel with the same seed would build it: both backends start from the same weights.
-        init_state = self._hf_init_state() if self.model_path is None else None
-        tensor_parallel.model_parallel_cuda_manual_seed(self.seed)
-        self.transformer_config = self._transformer_config()
-        layer_spec = get_gpt_layer_local_spec(num_experts=self.spec.num_experts, moe_grouped_gemm=False,
-                                              qk_layernorm=self.spec.qk_norm, normalization="RMSNorm")
-        vpp = self.mesh.vpp
-        chunks = []
-        for stage in range(vpp):
-            vp_stage = stage if vpp > 1 else None
-            chunk = GPTModel(
-                self.transformer_config, layer_spec, vocab_size=self.spec.padded_vocab_size,
-                max_sequence_length=int(getattr(self.hf_config, "max_position_embeddings", 4096)),
-                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                parallel_output=False, share_embeddings_and_output_weights=self.spec.tied,
-                position_embedding_type="rope", rotary_base=convert._rope_theta(self.hf_config),
-                vp_stage=vp_stage)
-            _enable_position_ids(chunk)
-            _mark_tensor_parallel(chunk)
-            chunks.append(chunk)
-        module: torch.nn.Module = chunks[0] if vpp == 1 else torch.nn.ModuleList(chunks)
-        padding.block_padding_gradient(module, getattr(self.hf_config, "pad_token_id", None))
-        self.module = module  # the weight helpers below walk self.module
-        if init_state is not None:
-            fused = any(k.endswith("mlp.experts.gate_up_proj") for k in init_state)
-            local = self._local_state(init_state.__getitem__, fused_experts=fused)
-        else:
-            reader = convert.HFCheckpoint(self.model_path)
-            local = self._local_state(reader.get, fused_experts=reader.has_fused_experts())
-        self.strategy.load_state_dict(module, local, strict=True)
-        return module
-
-    def _hf_init_state(self) -> dict[str, torch.Tensor]:
+    def _checkpoint_config(self, model_path: str) -> Any:
         import transformers
 
-        hf = transformers.AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32,
-                                                           trust_remote_code=self.trust_remote_code)
-        return {k: v.detach() for k, v in hf.state_dict().items()}
+        with resolve.explain_remote_code_refusal(f"the model {self.model_id!r}"):
+            return transformers.AutoConfig.from_pretrained(model_path, trust_remote_code=self.trust_remote_code)
+
+
+@dataclass(frozen=True)
+class Network:
+    """What :func:`build_network` built: the module (one chunk, or a ``ModuleList`` of chunks) and its configs."""
+
+    module: torch.nn.Module
+    hf_config: Any
+    spec: convert.ModelSpec
+    transformer_config: Any
+    model_path: str | None
+
+
+def build_network(options: NetworkOptions, *, strategy: Any, device_type: str, seed: int) -> Network:
+    """megatron-core's ``GPTModel`` chunks of this rank, sharded by ``strategy``'s mesh, with their weights loaded
+    from the checkpoint (``model_id``) or from the Hugging Face model's random init (``config`` only)."""
+    from megatron.core import tensor_parallel
+
+    model_path = None
+    if options.model_id is not None:
+        from twinkle_core.sources.resolve import resolve_model
+
+        model_path = resolve_model(options.model_id, revision=options.revision)
+    hf_config = options.hf_config(model_path)
+    if getattr(hf_config, "use_cache", None):
+        hf_config.use_cache = False
+    spec = convert.model_spec(hf_config, strategy.mesh.tp)
+    # The random init (config only) is the HF model's, built first so the global RNG is where a
+    # TransformersModel with the same seed would build it: both backends start from the same weights.
+    init_state = _hf_init_state(hf_config, options.trust_remote_code) if model_path is None else None
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    transformer_config = _transformer_config(options, hf_config, spec, strategy, device_type)
+    module = _gpt_chunks(transformer_config, hf_config, spec, strategy.mesh.vpp)
+    padding.block_padding_gradient(module, getattr(hf_config, "pad_token_id", None))
+    weights = ShardedWeights(chunks_of(module), spec, strategy.mesh)
+    if init_state is not None:
+        fused = any(k.endswith("mlp.experts.gate_up_proj") for k in init_state)
+        local = weights.local_state(init_state.__getitem__, fused_experts=fused)
+    else:
+        reader = convert.HFCheckpoint(model_path)
+        local = weights.local_state(reader.get, fused_experts=reader.has_fused_experts())
+    strategy.load_state_dict(module, local, strict=True)
+    return Network(module, hf_config, spec, transformer_config, model_path)
+
+
+def _transformer_config(options: NetworkOptions, hf_config: Any, spec: convert.ModelSpec, strategy: Any,
+                        device_type: str) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    mesh = strategy.mesh
+    if spec.num_layers % (mesh.pp * mesh.vpp):
+        raise ConfigError(f"{spec.num_layers} layers cannot be split evenly over pp={mesh.pp} x vpp={mesh.vpp} "
+                          f"pipeline stages")
+    if spec.num_experts:
+        if device_type == "cpu" and mesh.tp > 1:
+            raise UnsupportedHardwareError("MoE with tensor parallelism needs Transformer Engine / Apex on GPUs; "
+                                           "on CPU use mesh.ep for the experts and tp=1")
+        if spec.num_experts % mesh.ep:
+            raise ConfigError(f"mesh.ep={mesh.ep} must divide the number of experts ({spec.num_experts})")
+    elif mesh.ep > 1:
+        raise ConfigError(f"mesh.ep={mesh.ep} needs a mixture-of-experts model; {spec.model_type} is dense")
+    kwargs = convert.transformer_config_kwargs(hf_config, spec)
+    kwargs.update(
+        tensor_model_parallel_size=mesh.tp, pipeline_model_parallel_size=mesh.pp,
+        virtual_pipeline_model_parallel_size=mesh.vpp if mesh.vpp > 1 else None,
+        context_parallel_size=mesh.cp, expert_model_parallel_size=mesh.ep,
+        sequence_parallel=bool(strategy.options["sequence_parallel"]),
+        # weights come from the HF checkpoint / HF init right after the build
+        use_cpu_initialization=True, perform_initialization=False,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        calculate_per_token_loss=True, batch_p2p_comm=bool(strategy.options["batch_p2p_comm"]),
+        deallocate_pipeline_outputs=False,
+        **recompute_settings.SETTINGS[options.recompute],
+    )
+    kwargs.update(options.transformer_config)
+    if options.recompute:
+        recompute_settings.install()  # the recomputed forward must see the forward's autocast (bf16 / fp16)
+    return TransformerConfig(**kwargs)
+
+
+def _gpt_chunks(transformer_config: Any, hf_config: Any, spec: convert.ModelSpec, vpp: int) -> torch.nn.Module:
+    """One ``GPTModel`` per virtual pipeline stage of this rank (a ``ModuleList`` when ``vpp > 1``)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False,
+                                          qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    chunks = []
+    for stage in range(vpp):
+        vp_stage = stage if vpp > 1 else None
+        chunk = GPTModel(
+            transformer_config, layer_spec, vocab_size=spec.padded_vocab_size,
+            max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            parallel_output=False, share_embeddings_and_output_weights=spec.tied,
+            position_embedding_type="rope", rotary_base=convert.rope_theta(hf_config),
+            vp_stage=vp_stage)
+        enable_position_ids(chunk)
+        _mark_tensor_parallel(chunk)
+        chunks.append(chunk)
+    return chunks[0] if vpp == 1 else torch.nn.ModuleList(chunks)
+
+
+def _hf_init_state(hf_config: Any, trust_remote_code: bool) -> dict[str, torch.Tensor]:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+                                                       trust_remote_code=trust_remote_code)
+    return {k: v.detach() for k, v in hf.state_dict().items()}
 
 
 def _mark_tensor_parallel(chunk: torch.nn.Module) -> None:
@@ -162,26 +216,3 @@ def _mark_tensor_parallel(chunk: torch.nn.Module) -> None:
         weight = getattr(module, "weight", None)
         if weight is not None and not hasattr(weight, "tensor_model_parallel"):
             set_tensor_model_parallel_attributes(weight, True, dim, 1)
-
-
-def _enable_position_ids(chunk: Any) -> None:
-    """Let ``chunk`` take per-token RoPE positions (packed rows), set in ``chunk._twinkle_positions``.
-
-    megatron-core's ``RotaryEmbedding`` returns the table for positions ``0..s-1`` ([s, 1, 1, d]); for
-    packed rows the table rows are picked per token ([s, b, 1, d]), which broadcasts the same way in
-    ``apply_rotary_pos_emb``.
-    """
-    chunk._twinkle_positions = None
-    rotary = getattr(chunk, "rotary_pos_emb", None)
-    if rotary is None:
-        return
-    original = rotary.forward
-
-    def forward(max_seq_len: int, *args: Any, **kwargs: Any) -> torch.Tensor:
-        positions = chunk._twinkle_positions
-        if positions is None:
-            return original(max_seq_len, *args, **kwargs)
-        table = original(int(positions.max()) + 1, *args, **kwargs)  # [P, 1, 1, d]
-        return table[positions.t()].squeeze(2)  # [s, b, 1, d]
-
-    rotary.forward = forward

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from twinkle_backend_megatron.weights import chunks_of
 from twinkle_core.errors import ConfigError
 
 #: the folder inside a checkpoint's training state that holds the dist_checkpointing files
@@ -30,13 +31,9 @@ DIST_DIR = "megatron_optimizer"
 _FORMAT = "twinkle-megatron-optimizer-v1"
 
 
-def _chunks(module: torch.nn.Module) -> list[torch.nn.Module]:
-    return list(module) if isinstance(module, torch.nn.ModuleList) else [module]
-
-
 def model_sharded_state_dict(module: torch.nn.Module) -> dict[str, Any]:
     """The model chunks' sharding metadata, one entry per chunk (global keys never collide across chunks)."""
-    return {f"chunk{i}": chunk.sharded_state_dict(prefix="") for i, chunk in enumerate(_chunks(module))}
+    return {f"chunk{i}": chunk.sharded_state_dict(prefix="") for i, chunk in enumerate(chunks_of(module))}
 
 
 def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:

@@ -37,7 +37,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def _rope_theta(hf: Any) -> float:
+def rope_theta(hf: Any) -> float:
     params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     return float(theta if theta is not None else getattr(hf, "rope_theta", None) or 10000.0)

@@ -30,38 +30,33 @@ from typing import Any
 import torch
 
 from twinkle_core.errors import ConfigError
+from twinkle_core.lora import LoraSettings
 
 #: HF projection names of a dense decoder layer ("all-linear" in PEFT's sense: every linear but lm_head)
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_LORA_KEYS = {"r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora", "init_lora_weights",
-              "exclude_modules", "layers_to_transform", "layers_pattern"}
+#: the PEFT LoRA options a dict adapter config may give on this backend
+SUPPORTED_OPTIONS = frozenset({"r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora",
+                               "init_lora_weights", "exclude_modules", "layers_to_transform", "layers_pattern"})
+#: PEFT options this backend's LoRA layers do not implement (refused also when a peft.LoraConfig sets them)
+_NOT_IMPLEMENTED = ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "target_parameters")
 _NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+def lora_settings(config: Any) -> LoraSettings:
+    """The core's :class:`~twinkle_core.lora.LoraSettings` of a dict ``{"type": "lora", "r": 8, ...}`` or a
+    ``peft.LoraConfig``, refused when it asks for what this backend's LoRA layers cannot do."""
+    settings = LoraSettings.from_config(config, backend="the Megatron backend", supported=SUPPORTED_OPTIONS)
+    if settings.bias != "none":
+        raise ConfigError("LoRA bias training is not supported by the Megatron backend (use bias='none')")
+    not_implemented = settings.options_set(_NOT_IMPLEMENTED)
+    if not_implemented:
+        raise ConfigError(f"LoRA option {not_implemented[0]} is not supported by the Megatron backend")
+    return settings
 
 
 def to_lora_config(config: Any) -> Any:
     """A ``peft.LoraConfig`` from a dict ``{"type": "lora", "r": 8, ...}`` (or a LoraConfig as is)."""
-    import peft
-
-    if isinstance(config, peft.LoraConfig):
-        lora = config
-    elif isinstance(config, dict):
-        config = dict(config)
-        kind = config.pop("type", "lora")
-        if kind != "lora":
-            raise ConfigError(f"adapter type {kind!r} is not supported by the Megatron backend (only 'lora')")
-        unknown = set(config) - _LORA_KEYS
-        if unknown:
-            raise ConfigError(f"LoRA option(s) {sorted(unknown)} are not supported by the Megatron backend; "
-                              f"supported: {sorted(_LORA_KEYS)}")
-        lora = peft.LoraConfig(task_type=None, **config)
-    else:
-        raise ConfigError(f"adapter config must be a dict or a peft.LoraConfig, got {type(config).__name__}")
-    if lora.bias != "none":
-        raise ConfigError("LoRA bias training is not supported by the Megatron backend (use bias='none')")
-    for option in ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "target_parameters"):
-        if getattr(lora, option, None):
-            raise ConfigError(f"LoRA option {option} is not supported by the Megatron backend")
-    return lora
+    return lora_settings(config).to_peft()
 
 
 def _targets(lora: Any, module_name: str) -> bool:
@@ -229,7 +224,8 @@ class MegatronLora:
     def add(self, adapter_name: str, config: Any) -> Any:
         if not _NAME.match(adapter_name):
             raise ConfigError(f"adapter name {adapter_name!r} must be letters, digits, '_' or '-'")
-        lora = to_lora_config(config)
+        settings = lora_settings(config)
+        lora = settings.to_peft()
         matched = 0
         for layer in self.layers:
             entry = torch.nn.ModuleDict()
@@ -238,10 +234,10 @@ class MegatronLora:
                     continue
                 digest = hashlib.sha256(f"{self.seed}/{adapter_name}/{projection.hf_name}".encode()).digest()
                 entry[projection.hf_name.rsplit(".", 1)[1]] = LoraProjection(
-                    projection, r=lora.r, alpha=lora.lora_alpha, dropout=lora.lora_dropout,
-                    rslora=bool(lora.use_rslora), parallel=layer.parallel, tp_rank=self.tp_rank,
+                    projection, r=settings.r, alpha=settings.alpha, dropout=settings.dropout,
+                    rslora=settings.use_rslora, parallel=layer.parallel, tp_rank=self.tp_rank,
                     tp_size=self.tp_size, seed=int.from_bytes(digest[:8], "little") % (2**63),
-                    init=lora.init_lora_weights)
+                    init=settings.init_lora_weights)
                 matched += 1
             if len(entry):
                 layer.layer.lora[adapter_name] = entry

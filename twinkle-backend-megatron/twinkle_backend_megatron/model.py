@@ -21,67 +21,52 @@ how the network is built, run, converted and written:
 Inputs: ``input_ids``, optional ``attention_mask`` (padding) and ``position_ids`` (packed rows:
 positions restart at every sequence, which then attends only to itself, as in Hugging Face).
 
-The class is put together from single-purpose mixins: ``build.py`` (the network from the HF config),
-``weights.py`` (Megatron shards <-> full HF tensors), ``export.py`` (HF / PEFT files), ``adapters.py`` (LoRA),
-``forward.py`` (running the chunks) and ``pipeline.py`` (megatron-core's pipeline schedules).
+The class holds single-purpose pieces and hands each what it needs: ``build.py`` (the network from the HF
+config), ``weights.py`` (Megatron shards <-> full HF tensors), ``export.py`` (HF / PEFT files), ``adapters.py``
+(LoRA), ``forward.py`` (running a chunk) and ``pipeline.py`` (megatron-core's pipeline schedules, which run on
+the core's public :class:`~twinkle_core.model.step_context.StepContext`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-from twinkle_backend_megatron.adapters import MegatronAdaptersMixin
-from twinkle_backend_megatron.build import _RECOMPUTE, MegatronBuildMixin
-from twinkle_backend_megatron.export import MegatronExportMixin
-from twinkle_backend_megatron.forward import MegatronForwardMixin
-from twinkle_backend_megatron.pipeline import MegatronPipelineMixin
-from twinkle_backend_megatron.weights import MegatronWeightsMixin
-from twinkle_core.errors import ConfigError, UnsupportedHardwareError
+from twinkle_backend_megatron import convert
+from twinkle_backend_megatron.adapters import MegatronAdapters
+from twinkle_backend_megatron.build import NetworkOptions, build_network
+from twinkle_backend_megatron.export import MegatronExporter, read_adapter
+from twinkle_backend_megatron.forward import call_chunk, pipeline_error
+from twinkle_backend_megatron.pipeline import MegatronPipeline, metrics_from_last_stage
+from twinkle_backend_megatron.weights import ShardedWeights, chunks_of
+from twinkle_core.loss.base import LossOutput
 from twinkle_core.model.base import TwinkleModel
+from twinkle_core.model.frozen import trains
 from twinkle_core.model.torch_model import TorchTwinkleModel
 from twinkle_core.sources import resolve
 
 
-class MegatronModel(MegatronForwardMixin, MegatronPipelineMixin, MegatronAdaptersMixin, MegatronExportMixin,
-                    MegatronWeightsMixin, MegatronBuildMixin, TorchTwinkleModel):
+class MegatronModel(TorchTwinkleModel):
     model_input_keys = ("input_ids", "attention_mask", "position_ids")
     supported_strategies = ("megatron",)
     strategy_note = ("It builds megatron-core's GPTModel, sharded by that strategy's mesh (TP / PP / VPP / EP / DP): "
                      "drop strategy= or pass strategy='megatron'.")
+    #: a text-only GPT with its vocabulary head: no value / score head, no encoder, no vision tower. The core
+    #: refuses other tasks' kinds (the PPO critic, embeddings, vlm) before building, naming the classes that can.
+    supported_model_kinds = ("causal_lm",)
 
     def __init__(self, *, model_id: str | None = None, config: Any = None, revision: str | None = None,
                  trust_remote_code: bool | None = None, recompute: str | None = None,
                  transformer_config: dict[str, Any] | None = None, strategy: Any = "megatron",
                  attn_implementation: str | None = None, gradient_checkpointing: bool = False,
                  **kwargs: Any) -> None:
-        if model_id is None and config is None:
-            raise ConfigError("MegatronModel needs model_id= (a path, hf:// or ms:// id) or config= "
-                              "(a transformers config or a dict with model_type)")
-        if getattr(kwargs.get("task"), "model_kind", None) == "image_text_to_text":
-            raise ConfigError("MegatronModel builds text-only GPT models and cannot train a vision-language model "
-                              "(the vlm task); use the HF backend: model.class_name: TransformersModel (strategies "
-                              "ddp, native_fsdp, deepspeed) or MultiLoraTransformersModel")
-        # the two options every model class takes from the trainer (see twinkle_core.train.loop)
-        if attn_implementation is not None:
-            raise ConfigError(f"model.attn_implementation={attn_implementation!r}: MegatronModel builds megatron-core's "
-                              f"own attention; remove the option")
-        if gradient_checkpointing and recompute is None:
-            recompute = "full"  # activation checkpointing, in megatron-core's terms
-        if recompute not in _RECOMPUTE:
-            raise ConfigError(f"recompute must be one of {[k for k in _RECOMPUTE if k]} or None, got {recompute!r}")
-        precision = kwargs.get("precision", "no")
-        if getattr(precision, "name", precision) == "fp8":
-            raise UnsupportedHardwareError("precision 'fp8' on the Megatron backend needs Transformer Engine layers, "
-                                           "which this release does not build (local layer spec); use 'bf16'")
-        self.model_id, self.config_spec, self.revision = model_id, config, revision
-        self.trust_remote_code = resolve.trust_remote_code(trust_remote_code)
-        self.recompute = recompute
-        self.transformer_config_overrides = dict(transformer_config or {})
-        self.model_path: str | None = None
-        self._lora: Any = None
-        self._adapters_config: dict[str, Any] = {}
+        self.network_options = NetworkOptions.checked(
+            model_id=model_id, config=config, revision=revision, trust_remote_code=trust_remote_code,
+            recompute=recompute, transformer_config=transformer_config, attn_implementation=attn_implementation,
+            gradient_checkpointing=gradient_checkpointing, precision=kwargs.get("precision", "no"))
+        self.model_id, self.recompute = model_id, self.network_options.recompute
         super().__init__(strategy=strategy, **kwargs)
 
     @classmethod
@@ -102,7 +87,7 @@ class MegatronModel(MegatronForwardMixin, MegatronPipelineMixin, MegatronAdapter
     @property
     def chunks(self) -> list[Any]:
         """The model chunks this rank holds (one, or ``vpp`` with virtual pipelining)."""
-        return list(self.module) if isinstance(self.module, torch.nn.ModuleList) else [self.module]
+        return chunks_of(self.module)
 
     def describe(self) -> dict[str, Any]:
         from twinkle_backend_megatron.compat import megatron_version
@@ -116,3 +101,106 @@ class MegatronModel(MegatronForwardMixin, MegatronPipelineMixin, MegatronAdapter
         # a Megatron network takes no KV cache and is cut over tensor / pipeline ranks: a sampler needs its own
         # Hugging Face copy, refreshed from get_state_dict() (gathered, Hugging Face names) after every step
         return TwinkleModel.generation_module(self, adapter_name=adapter_name)
+
+    # ------------------------------------------------------------------ the network: build.py, weights.py
+    def build_network(self) -> torch.nn.Module:
+        network = build_network(self.network_options, strategy=self.strategy,
+                                device_type=self.accelerator.device_type, seed=self.seed)
+        self.hf_config, self.spec, self.model_path = network.hf_config, network.spec, network.model_path
+        self.transformer_config = network.transformer_config
+        self.lora_adapters = MegatronAdapters(network.module, network.spec, seed=self.seed, pp=self.mesh.pp,
+                                              sequence_parallel=bool(self.strategy.options["sequence_parallel"]))
+        return network.module
+
+    def _weights(self) -> ShardedWeights:
+        return ShardedWeights(self.chunks, self.spec, self.mesh)
+
+    def get_state_dict(self, *, adapter_name: str | None = None) -> dict[str, Any]:
+        name = self.train_state(adapter_name).name  # "" is the full model
+        return self.lora_adapters.state_dict(name) if name else self._weights().hf_state_dict()
+
+    def local_weights(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        # get_state_dict() is full Hugging Face tensors; the strategy loads this rank's Megatron shards
+        return self._weights().local_state(state_dict.__getitem__, fused_experts=True)
+
+    # ------------------------------------------------------------------ files: export.py
+    def export_config(self) -> Any:
+        return self.hf_config
+
+    def write_weights(self, directory: str, state_dict: dict[str, torch.Tensor], adapter_name: str | None) -> None:
+        exporter = MegatronExporter(self.hf_config, self.spec, model_id=self.model_id, tokenizer=self.tokenizer)
+        if adapter_name is None:
+            exporter.write_model(directory, state_dict)
+        else:
+            exporter.write_adapter(directory, state_dict, adapter_name, self.lora_adapters.config(adapter_name))
+
+    def read_weights(self, directory: str, adapter_name: str | None) -> dict[str, torch.Tensor]:
+        if adapter_name is not None:
+            return self.lora_adapters.local_state(adapter_name, read_adapter(directory, adapter_name))
+        reader = convert.HFCheckpoint(directory)
+        return self._weights().local_state(reader.get, fused_experts=reader.has_fused_experts())
+
+    # ------------------------------------------------------------------ LoRA: adapters.py
+    def attach_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+        self.lora_adapters.attach(adapter_name, config, self.device)
+
+    def detach_adapter(self, adapter_name: str) -> None:
+        self.lora_adapters.detach(adapter_name)
+
+    def activate_adapter(self, adapter_name: str | None) -> Any:
+        return self.lora_adapters.activate(adapter_name)
+
+    def deactivate_adapters(self) -> Any:
+        # the LoRA hooks (lora.py) add nothing while no adapter is active; the previous one is restored after
+        return self.lora_adapters.activate(None)
+
+    def adapter_parameter_names(self, adapter_name: str) -> list[str]:
+        return self.lora_adapters.parameter_names(adapter_name)
+
+    # ------------------------------------------------------------------ running: forward.py, pipeline.py
+    def run_network(self, module: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        if self.pp_size > 1:
+            raise pipeline_error("forward", self.pp_size)
+        logits = call_chunk(module, inputs, self.strategy.unwrap_module)
+        return {"logits": logits[..., : self.spec.vocab_size]}
+
+    def forward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
+        if self.pp_size > 1:
+            raise pipeline_error("forward", self.pp_size)
+        return super().forward(inputs=inputs, adapter_name=adapter_name, **kwargs)
+
+    def backward(self, *, loss: Any = None, adapter_name: str | None = None, **kwargs: Any) -> None:
+        if self.pp_size > 1:
+            raise pipeline_error("backward", self.pp_size)
+        super().backward(loss=loss, adapter_name=adapter_name, **kwargs)
+
+    def calculate_loss(self, *, inputs: dict[str, Any] | None = None, outputs: dict[str, Any] | None = None,
+                       adapter_name: str | None = None, **kwargs: Any) -> LossOutput:
+        if self.pp_size > 1 and (inputs is None or outputs is None):
+            raise pipeline_error("calculate_loss", self.pp_size)
+        return super().calculate_loss(inputs=inputs, outputs=outputs, adapter_name=adapter_name, **kwargs)
+
+    @trains  # the pipeline path below trains without going through the core's forward_backward
+    def forward_backward(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
+                         **kwargs: Any) -> dict[str, Any]:
+        if self.pp_size == 1:
+            return super().forward_backward(inputs=inputs, adapter_name=adapter_name, **kwargs)
+        return self._pipeline().run(self.step_context(adapter_name), inputs, forward_only=False)
+
+    def forward_only(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
+                     disable_adapters: bool = False, **kwargs: Any) -> dict[str, Any]:
+        if self.pp_size == 1:
+            return super().forward_only(inputs=inputs, adapter_name=adapter_name, disable_adapters=disable_adapters,
+                                        **kwargs)
+        step = self.step_context(adapter_name, disable_adapters=disable_adapters)
+        return self._pipeline().run(step, inputs, forward_only=True)
+
+    def _pipeline(self) -> MegatronPipeline:
+        return MegatronPipeline(self.chunks, strategy=self.strategy, vocab_size=self.spec.vocab_size, task=self.task,
+                                loss_context=self.loss_context, unwrap=self.strategy.unwrap_module)
+
+    def calculate_metric(self, *, adapter_name: str | None = None, reset: bool = True) -> dict[str, float]:
+        compute = functools.partial(super().calculate_metric, adapter_name=adapter_name, reset=reset)
+        if self.pp_size == 1:
+            return compute()
+        return metrics_from_last_stage(compute, self.train_state(adapter_name), reset=reset)

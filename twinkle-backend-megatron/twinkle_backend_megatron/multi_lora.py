@@ -22,8 +22,8 @@ from twinkle_core.model.multi_tenant import MultiTenantMixin
 
 
 class MultiLoraMegatronModel(MultiTenantMixin, MegatronModel):
-    def _tenant_lora_config(self, config: Any) -> Any:
+    def tenant_lora_config(self, config: Any) -> Any:
         return to_lora_config(config)
 
-    def _lora_rank(self, lora_config: Any) -> int:
+    def lora_rank(self, lora_config: Any) -> int:
         return lora_config.r

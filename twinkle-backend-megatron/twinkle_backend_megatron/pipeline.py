@@ -8,36 +8,47 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from twinkle_backend_megatron.forward import call_chunk
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import LossOutput
+from twinkle_core.model.step_context import StepContext
 from twinkle_core.model.train_state import TrainState
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-class MegatronPipelineMixin:
-    """The pipeline path of a ``MegatronModel``'s ``forward_backward`` / ``forward_only``, and its metrics."""
+class MegatronPipeline:
+    """megatron-core's schedule over one batch for a model's ``chunks``, run with the step's state and adapter.
 
-    def _pipeline(self, inputs: dict[str, Any], adapter_name: str | None, *, forward_only: bool,
-                  disable_adapters: bool = False) -> dict[str, Any]:
-        name = self._resolve_name(adapter_name)
-        state = self._states[name]
-        inputs = self._to_device(self.strategy.prepare_inputs(dict(inputs)))
+    ``task`` turns logits into the task's outputs, ``loss_context`` is what the model hands its losses, and
+    ``unwrap`` gives the ``GPTModel`` inside a chunk as the strategy wrapped it.
+    """
+
+    def __init__(self, chunks: list[Any], *, strategy: Any, vocab_size: int, task: Any, loss_context: Any,
+                 unwrap: Callable[[Any], Any]) -> None:
+        self.chunks, self.strategy, self.vocab_size = chunks, strategy, vocab_size
+        self.task, self.loss_context, self.unwrap = task, loss_context, unwrap
+
+    def run(self, step: StepContext, inputs: dict[str, Any], *, forward_only: bool) -> dict[str, Any]:
+        """``forward_backward`` (``forward_only=False``) or ``forward_only`` of the batch ``inputs``."""
+        inputs = step.to_device(self.strategy.prepare_inputs(dict(inputs)))
         pieces = self._micro_batches(inputs)
         if not forward_only:
-            self._ensure_loss(state)
+            _ = step.loss  # the task's default loss, set before the schedule scores the first micro-batch
             # every stage needs the window's divisor before the last stage has computed a loss: count the labels
-            state.open_window(_label_count(inputs), self.strategy, self.device)
+            step.state.open_window(_label_count(inputs), self.strategy, step.device)
         scored: list[tuple[dict[str, Any], LossOutput | None]] = []  # (outputs, loss) per micro-batch, last stage
-        self._run_schedule(self._adapter_scope(adapter_name, disable_adapters), pieces,
-                           self._forward_step(state, scored, forward_only=forward_only), forward_only=forward_only)
+        self._run_schedule(step, pieces, self._forward_step(step.state, scored, forward_only=forward_only),
+                           forward_only=forward_only)
         if forward_only:
-            return self._evaluation_outputs(scored, inputs)
-        return self._training_outputs(state, scored)
+            return self._evaluation_outputs(scored, inputs, step.device)
+        return self._training_outputs(step, scored)
 
     def _micro_batches(self, inputs: dict[str, Any]) -> list[dict[str, Any]]:
         """The batch split into the strategy's ``num_microbatches`` equal pipeline micro-batches (row-wise)."""
@@ -57,7 +68,7 @@ class MegatronPipelineMixin:
     def _forward_step(self, state: TrainState, scored: list[tuple[dict[str, Any], LossOutput | None]], *,
                       forward_only: bool) -> Any:
         """megatron-core's ``forward_step_func``: run a chunk; on the last stage, score its output into ``scored``."""
-        vocab = self.spec.vocab_size
+        vocab = self.vocab_size
 
         def forward_step(data_iterator: Any, chunk: Any) -> Any:
             batch = next(data_iterator)
@@ -73,11 +84,11 @@ class MegatronPipelineMixin:
                 scaled = self.strategy.scale_loss(state.scale_for_backward(result.loss))
                 return scaled, torch.tensor(int(float(result.num_tokens)), dtype=torch.int), {}
 
-            return self._call_chunk(chunk, batch), loss_func
+            return call_chunk(chunk, batch, self.unwrap), loss_func
 
         return forward_step
 
-    def _run_schedule(self, adapter_scope: Any, pieces: list[dict[str, Any]], forward_step: Any, *,
+    def _run_schedule(self, step: StepContext, pieces: list[dict[str, Any]], forward_step: Any, *,
                       forward_only: bool) -> None:
         """Run megatron-core's pipeline schedule (1F1B, interleaved with ``vpp > 1``) over the micro-batches."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -88,7 +99,7 @@ class MegatronPipelineMixin:
         for chunk in chunks:
             chunk.train(not forward_only)
         try:
-            with adapter_scope, self.strategy.forward_context(self.device.type), grad_context:
+            with step.adapter_scope(), self.strategy.forward_context(step.device.type), grad_context:
                 get_forward_backward_func()(
                     forward_step_func=forward_step, data_iterator=[iter(pieces) for _ in chunks],
                     model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(pieces), seq_length=length,
@@ -97,66 +108,68 @@ class MegatronPipelineMixin:
             for chunk in chunks:
                 chunk.train()
 
-    def _evaluation_outputs(self, scored: list[tuple[dict[str, Any], None]], inputs: dict[str, Any]) -> dict[str, Any]:
+    def _evaluation_outputs(self, scored: list[tuple[dict[str, Any], None]], inputs: dict[str, Any],
+                            device: torch.device) -> dict[str, Any]:
         """The last stage's logits on every stage, then the task's outputs of the whole batch."""
         logits = torch.cat([outputs["logits"] for outputs, _ in scored]) if _is_last_stage() else None
-        logits = self._logits_from_last_stage(logits, tuple(inputs["input_ids"].shape))
-        with self.strategy.forward_context(self.device.type), torch.no_grad():
+        logits = self._logits_from_last_stage(logits, tuple(inputs["input_ids"].shape), device)
+        with self.strategy.forward_context(device.type), torch.no_grad():
             return self._task_outputs({"logits": logits}, inputs)
 
-    def _logits_from_last_stage(self, logits: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
+    def _logits_from_last_stage(self, logits: torch.Tensor | None, shape: tuple[int, int],
+                                device: torch.device) -> torch.Tensor:
         """Broadcast the last stage's ``logits`` (``None`` elsewhere) of a ``shape`` batch to every stage."""
         dtype_index = torch.tensor([_DTYPES.index(logits.dtype) if logits is not None else 0], dtype=torch.long,
-                                   device=self.device)
+                                   device=device)
         _broadcast_from_last_stage(dtype_index)
         if logits is None:
-            logits = torch.empty((*shape, self.spec.vocab_size), dtype=_DTYPES[int(dtype_index)], device=self.device)
+            logits = torch.empty((*shape, self.vocab_size), dtype=_DTYPES[int(dtype_index)], device=device)
         else:
             logits = logits.contiguous()
         _broadcast_from_last_stage(logits)
         return logits
 
-    def _training_outputs(self, state: TrainState, scored: list[tuple[dict[str, Any], LossOutput]]) -> dict[str, Any]:
+    def _training_outputs(self, step: StepContext, scored: list[tuple[dict[str, Any], LossOutput]]) -> dict[str, Any]:
         """Record the window's backward and report the loss on every stage (outputs and metrics on the last)."""
         results = [result for _, result in scored]
-        loss_sum, tokens = self._loss_totals(results)
-        state.record_backward(tokens)
+        loss_sum, tokens = _loss_totals(results, step.device)
+        step.state.record_backward(tokens)
         out: dict[str, Any] = {"loss": torch.tensor(loss_sum / tokens if tokens else math.nan), "num_tokens": tokens}
         if _is_last_stage():
             out = {**_join_micro_batches([outputs for outputs, _ in scored]), **out, **_mean_metrics(results)}
         return out
 
-    def _loss_totals(self, results: list[LossOutput]) -> tuple[float, float]:
-        """``(sum loss, tokens)`` of the micro-batches, computed on the last stage, known on every stage."""
-        totals = torch.tensor([sum(float(r.loss.detach()) for r in results), sum(float(r.num_tokens) for r in results)],
-                              dtype=torch.float64, device=self.device)
-        _broadcast_from_last_stage(totals)
-        return float(totals[0]), float(totals[1])
 
-    def calculate_metric(self, *, adapter_name: str | None = None, reset: bool = True) -> dict[str, float]:
-        if self.pp_size == 1:
-            return super().calculate_metric(adapter_name=adapter_name, reset=reset)
-        # metrics are updated where the loss is computed: the last pipeline stage; the others receive them
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
+def metrics_from_last_stage(compute: Callable[[], dict[str, float]], state: TrainState, *,
+                            reset: bool) -> dict[str, float]:
+    """``calculate_metric`` under pipeline parallelism: metrics are updated where the loss is computed, the last
+    stage, which runs ``compute``; the other stages reset theirs (with ``reset``) and receive the result."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
-        holder: list[Any] = [None]
-        if _is_last_stage():
-            holder[0] = super().calculate_metric(adapter_name=adapter_name, reset=reset)
-        else:
-            state = self._state(adapter_name)
-            if reset:
-                for metric in state.metrics:
-                    metric.reset()
-        dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),
-                                   group=ps.get_pipeline_model_parallel_group())
-        return holder[0]
+    holder: list[Any] = [None]
+    if _is_last_stage():
+        holder[0] = compute()
+    elif reset:
+        for metric in state.metrics:
+            metric.reset()
+    dist.broadcast_object_list(holder, src=ps.get_pipeline_model_parallel_last_rank(),
+                               group=ps.get_pipeline_model_parallel_group())
+    return holder[0]
+
+
+def _loss_totals(results: list[LossOutput], device: torch.device) -> tuple[float, float]:
+    """``(sum loss, tokens)`` of the micro-batches, computed on the last stage, known on every stage."""
+    totals = torch.tensor([sum(float(r.loss.detach()) for r in results), sum(float(r.num_tokens) for r in results)],
+                          dtype=torch.float64, device=device)
+    _broadcast_from_last_stage(totals)
+    return float(totals[0]), float(totals[1])
 
 
 def _label_count(inputs: dict[str, Any]) -> float:
-    """Tokens a loss will count in ``inputs``: labelled ones (``-100`` is ignored), else every input token."""
+    """Tokens a loss will count in ``inputs``: labelled ones (not ``IGNORE_INDEX``), else every input token."""
     labels = inputs.get("labels")
-    return float((labels != -100).sum()) if labels is not None else float(inputs["input_ids"].numel())
+    return float((labels != IGNORE_INDEX).sum()) if labels is not None else float(inputs["input_ids"].numel())
 
 
 def _is_last_stage() -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from twinkle_core import ConformanceTarget, ModelRecord, StrategyRecord, hookimpl
 
 _PKG = "twinkle_backend_megatron"
@@ -19,6 +21,16 @@ def twinkle_register_models():
 def twinkle_register_strategies():
     yield StrategyRecord("megatron", f"{_PKG}.strategy:MegatronStrategy",
                          "megatron-core tensor / pipeline / expert parallelism + data parallelism")
+
+
+@hookimpl
+def twinkle_select_default_strategy(model_class, world_size):
+    # a MegatronModel runs on megatron-core's parallelism only, on one process as on many; the check reads the
+    # class without importing megatron-core (a subclass exists only once its module is imported)
+    module = sys.modules.get(f"{_PKG}.model")
+    if module is not None and isinstance(model_class, type) and issubclass(model_class, module.MegatronModel):
+        return "megatron"
+    return None
 
 
 @hookimpl

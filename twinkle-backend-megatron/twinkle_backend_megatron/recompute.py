@@ -18,7 +18,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["install"]
+__all__ = ["SETTINGS", "install"]
+
+#: ``MegatronModel(recompute=...)``: the megatron-core ``TransformerConfig`` options of each choice
+SETTINGS: dict[str | None, dict[str, Any]] = {
+    None: {},
+    "none": {},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    "selective": {"recompute_granularity": "selective"},
+}
 
 _lock = threading.Lock()
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "npu")

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from twinkle_backend_megatron.weights import chunks_of
 from twinkle_core import distributed
 from twinkle_core.capabilities import check_mesh
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
@@ -97,6 +98,9 @@ class MegatronStrategy(Strategy):
     mesh_dimensions: ClassVar[tuple[str, ...]] = ("dp", "tp", "pp", "vpp", "cp", "ep")
     supported_models: ClassVar[tuple[str, ...] | None] = ("MegatronModel",)
     dimension_notes: ClassVar[dict[str, str]] = _FOREIGN_DIMENSIONS
+    #: ``sequence_parallel=True`` (the spec's flag, not a size) is this strategy's own option: sequence
+    #: parallelism inside tensor-parallel regions
+    spec_options: ClassVar[frozenset[str]] = frozenset({"sequence_parallel"})
 
     def __init__(self, mesh: DeviceMesh | None = None, *, precision: Precision | None = None,
                  num_microbatches: int | None = None, batch_p2p_comm: bool | None = None,
@@ -197,7 +201,7 @@ class MegatronStrategy(Strategy):
             return module
         if not any(p.requires_grad for p in module.parameters()):
             return module  # a frozen model (a reference or teacher) has no gradients to reduce or optimizer to shard
-        chunks = list(module) if isinstance(module, torch.nn.ModuleList) else [module]
+        chunks = chunks_of(module)
         if any(".lora." in name for name, _ in module.named_parameters()):
             raise ConfigError("distributed_optimizer=True supports full fine-tuning only; LoRA adapters keep "
                               "their (small) optimizer state per rank, leave distributed_optimizer off")
@@ -220,10 +224,6 @@ class MegatronStrategy(Strategy):
         if isinstance(module, torch.nn.ModuleList) and len(module) and isinstance(module[0], DistributedDataParallel):
             return torch.nn.ModuleList([m.module for m in module])
         return module
-
-    @staticmethod
-    def _ddp_chunks(module: torch.nn.Module) -> list[Any]:
-        return list(module) if isinstance(module, torch.nn.ModuleList) else [module]
 
     def prepare_optimizer(self, module: torch.nn.Module, optimizer: Any, *, parameters: list[torch.nn.Parameter],
                           gradient_accumulation_steps: int = 1) -> tuple[torch.nn.Module, MegatronHandle]:
@@ -250,7 +250,7 @@ class MegatronStrategy(Strategy):
         config = OptimizerConfig(optimizer="adam", lr=group["lr"], weight_decay=group.get("weight_decay", 0.0),
                                  adam_beta1=group["betas"][0], adam_beta2=group["betas"][1], adam_eps=group["eps"],
                                  clip_grad=0.0, use_distributed_optimizer=True, params_dtype=torch.float32)
-        chunks = self._ddp_chunks(module)
+        chunks = chunks_of(module)
         buffers = {i: list(chunk.buffers) + list(chunk.expert_parallel_buffers) for i, chunk in enumerate(chunks)}
         return DistributedOptimizer(
             optimizer, config, None, None, model_chunks=chunks, per_model_buffers=buffers,
@@ -260,7 +260,7 @@ class MegatronStrategy(Strategy):
     # ------------------------------------------------------------------ gradients
     def scale_gradients(self, module: torch.nn.Module, handle: MegatronHandle, factor: float) -> None:
         if handle.sharded is not None:
-            for chunk in self._ddp_chunks(module):
+            for chunk in chunks_of(module):
                 chunk.finish_grad_sync()  # reduce-scatter (summed: calculate_per_token_loss) into the buffers
                 chunk.scale_gradients(factor)
             return
@@ -348,7 +348,7 @@ class MegatronStrategy(Strategy):
     def zero_grad(self, module: torch.nn.Module, handle: MegatronHandle) -> None:
         if handle.sharded is None:
             return super().zero_grad(module, handle)
-        for chunk in self._ddp_chunks(module):
+        for chunk in chunks_of(module):
             chunk.zero_grad_buffer()
         handle.sharded.zero_grad()
         handle.grads_ready = False

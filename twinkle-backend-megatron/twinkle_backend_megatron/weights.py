@@ -3,26 +3,87 @@ the full HF state dict gathered from every TP / EP / PP rank (the names and layo
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from twinkle_backend_megatron import convert
-from twinkle_core.model.torch_model import FULL_MODEL
+
+__all__ = ["ShardedWeights", "chunks_of", "gather_over_pipeline"]
 
 
-class MegatronWeightsMixin:
-    """Conversion between a ``MegatronModel``'s sharded parameters and full Hugging Face tensors."""
+def chunks_of(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model chunks a rank holds: one, or one per virtual pipeline stage (a ``ModuleList``)."""
+    return list(module) if isinstance(module, torch.nn.ModuleList) else [module]
 
-    def _weight_map(self, fused_experts: bool = True) -> convert.WeightMap:
-        return convert.WeightMap(self.spec, fused_experts=fused_experts)
 
-    def _named_chunk_parameters(self) -> Any:
-        """``(full name in self.module, name inside its chunk, parameter, layer offset, expert offset)`` of the
+def gather_over_pipeline(tensors: dict[str, torch.Tensor], pp: int) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's ``tensors`` joined, on every stage, sorted by name (collective over PP)."""
+    if pp > 1:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        gathered: list[Any] = [None] * pp
+        dist.all_gather_object(gathered, tensors, group=ps.get_pipeline_model_parallel_group())
+        tensors = {k: v for part in gathered for k, v in part.items()}
+    return dict(sorted(tensors.items()))
+
+
+def _sharding(param: torch.nn.Parameter) -> tuple[int | None, int, int, Any]:
+    """``(partition dim or None, tp rank, tp size, group)`` of a parameter (experts: expert-TP)."""
+    from megatron.core import parallel_state as ps
+
+    if not getattr(param, "allreduce", True):
+        rank, size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+        group = ps.get_expert_tensor_parallel_group(check_initialized=False)
+    else:
+        rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        group = ps.get_tensor_model_parallel_group()
+    dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) and size > 1 else None
+    return dim, rank, size, group
+
+
+def _tensor_parallel_shards(param: torch.nn.Parameter) -> tuple[list[torch.Tensor], int | None]:
+    """Every TP rank's shard of ``param`` on the CPU, and the dimension they split (collective over TP)."""
+    import torch.distributed as dist
+
+    dim, _, size, group = _sharding(param)
+    tensor = param.detach().contiguous()
+    if dim is None:
+        return [tensor.cpu()], None
+    shards = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(shards, tensor, group=group)
+    return [s.cpu() for s in shards], dim
+
+
+def _stack_experts(experts: dict[str, dict[int, torch.Tensor]], ep: int) -> dict[str, torch.Tensor]:
+    """Per-expert HF tensors of every EP rank stacked into the fused ``[experts, ...]`` tensors (collective)."""
+    if experts and ep > 1:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        gathered: list[Any] = [None] * ep
+        dist.all_gather_object(gathered, experts, group=ps.get_expert_model_parallel_group())
+        experts = {}
+        for part in gathered:
+            for key, per_expert in part.items():
+                experts.setdefault(key, {}).update(per_expert)
+    return {key: torch.stack([per_expert[e] for e in sorted(per_expert)]) for key, per_expert in experts.items()}
+
+
+class ShardedWeights:
+    """The base-model parameters of a rank's chunks, converted to and from full Hugging Face tensors."""
+
+    def __init__(self, chunks: list[torch.nn.Module], spec: convert.ModelSpec, mesh: Any) -> None:
+        self.chunks, self.spec, self.mesh = chunks, spec, mesh
+
+    def named_parameters(self) -> Iterator[tuple[str, str, torch.nn.Parameter, int, int]]:
+        """``(full name in the model, name inside its chunk, parameter, layer offset, expert offset)`` of the
         base model's parameters."""
         from megatron.core import parallel_state as ps
 
-        several = isinstance(self.module, torch.nn.ModuleList)
+        several = len(self.chunks) > 1
         expert_offset = 0
         if self.spec.num_experts:
             expert_offset = ps.get_expert_model_parallel_rank() * (self.spec.num_experts // self.mesh.ep)
@@ -34,27 +95,13 @@ class MegatronWeightsMixin:
                     continue  # adapter weights (see lora.py) are not part of the base model
                 yield (f"{index}.{name}" if several else name), name, param, offset, expert_offset
 
-    @staticmethod
-    def _sharding(param: torch.nn.Parameter) -> tuple[int | None, int, int, Any]:
-        """``(partition dim or None, tp rank, tp size, group)`` of a parameter (experts: expert-TP)."""
-        from megatron.core import parallel_state as ps
-
-        if not getattr(param, "allreduce", True):
-            rank, size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
-            group = ps.get_expert_tensor_parallel_group(check_initialized=False)
-        else:
-            rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-            group = ps.get_tensor_model_parallel_group()
-        dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) and size > 1 else None
-        return dim, rank, size, group
-
-    def _local_state(self, get: Any, *, fused_experts: bool) -> dict[str, torch.Tensor]:
+    def local_state(self, get: Callable[[str], torch.Tensor], *, fused_experts: bool) -> dict[str, torch.Tensor]:
         """This rank's Megatron parameters made from HF tensors (``get(key)``)."""
-        weights = self._weight_map(fused_experts)
+        weights = convert.WeightMap(self.spec, fused_experts=fused_experts)
         state = {}
-        for full, name, param, offset, expert_offset in self._named_chunk_parameters():
+        for full, name, param, offset, expert_offset in self.named_parameters():
             rule = weights.rule(name, offset, expert_offset)
-            dim, rank, size, _ = self._sharding(param)
+            dim, rank, size, _ = _sharding(param)
             try:
                 tensor = weights.to_local(rule, get, tp_rank=rank, tp_size=size, partition_dim=dim)
             except KeyError as exc:
@@ -65,55 +112,23 @@ class MegatronWeightsMixin:
             state[full] = tensor.to(param.dtype)
         return state
 
-    def _hf_state_dict(self, wanted: set[str] | None = None) -> dict[str, torch.Tensor]:
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Full HF tensors of the whole model, on every rank (collective over TP / EP / PP)."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        weights = self._weight_map(fused_experts=True)
+        weights = convert.WeightMap(self.spec, fused_experts=True)
         out: dict[str, torch.Tensor] = {}
         experts: dict[str, dict[int, torch.Tensor]] = {}
-        for full, name, param, offset, expert_offset in self._named_chunk_parameters():
-            if wanted is not None and full not in wanted:
-                continue
+        for _, name, param, offset, expert_offset in self.named_parameters():
             if name == "output_layer.weight" and self.spec.tied:
                 continue  # the tied copy of the embedding (last pipeline stage)
             rule = weights.rule(name, offset, expert_offset)
-            dim, _, size, group = self._sharding(param)
-            tensor = param.detach().contiguous()
-            if dim is not None:
-                shards = [torch.empty_like(tensor) for _ in range(size)]
-                dist.all_gather(shards, tensor, group=group)
-            else:
-                shards = [tensor]
-            for key, value in weights.to_hf(rule, [s.cpu() for s in shards], dim).items():
+            for key, value in weights.to_hf(rule, *_tensor_parallel_shards(param)).items():
                 if rule.expert is not None:
                     experts.setdefault(key, {})[rule.expert] = value.clone()
                 else:
                     out[key] = value.clone()
-        if experts and self.mesh.ep > 1:
-            gathered: list[Any] = [None] * self.mesh.ep
-            dist.all_gather_object(gathered, experts, group=ps.get_expert_model_parallel_group())
-            experts = {}
-            for part in gathered:
-                for key, per_expert in part.items():
-                    experts.setdefault(key, {}).update(per_expert)
-        for key, per_expert in experts.items():
-            out[key] = torch.stack([per_expert[e] for e in sorted(per_expert)])
-        if self.pp_size > 1:
-            gathered = [None] * self.pp_size
-            dist.all_gather_object(gathered, out, group=ps.get_pipeline_model_parallel_group())
-            out = {k: v for part in gathered for k, v in part.items()}
-        if self.spec.tied and "model.embed_tokens.weight" in out and wanted is None:
+        out.update(_stack_experts(experts, self.mesh.ep))
+        out = gather_over_pipeline(out, self.mesh.pp)
+        if self.spec.tied and "model.embed_tokens.weight" in out:
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
-        return dict(sorted(out.items()))
-
-    def get_state_dict(self, *, adapter_name: str | None = None) -> dict[str, Any]:
-        name = self._resolve_name(adapter_name)
-        if name == FULL_MODEL:
-            return self._hf_state_dict()
-        return self._adapter_state_dict(name)
-
-    def local_weights(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        # get_state_dict() is full Hugging Face tensors; the strategy loads this rank's Megatron shards
-        return self._local_state(state_dict.__getitem__, fused_experts=True)
+            out = dict(sorted(out.items()))
+        return out

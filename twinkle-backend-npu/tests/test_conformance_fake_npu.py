@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from twinkle_core.testing.conformance import ModelContract
+from twinkle_core.testing.conformance import ModelContract, TaskContract
 from twinkle_core.testing.torchrun import PASSED_ONLY, pytest_summaries, run_torchrun
 
 
@@ -29,6 +29,10 @@ class TestTransformersModelOnFakeNPU(ModelContract):
             return model
 
         return factory
+
+
+class TestTransformersModelTasksOnFakeNPU(TaskContract):
+    twinkle_factory = TestTransformersModelOnFakeNPU.twinkle_factory
 
 
 def test_the_factory_refuses_the_cpu_accelerator(monkeypatch):

@@ -22,7 +22,7 @@ from typing import Any
 
 from twinkle_backend_npu import hccl
 from twinkle_backend_npu.versions import version_problem
-from twinkle_core.accelerator import Accelerator
+from twinkle_core.accelerator import TorchDeviceAccelerator
 from twinkle_core.errors import UnsupportedHardwareError
 
 logger = logging.getLogger("twinkle.npu")
@@ -62,10 +62,15 @@ def import_problem(exc: BaseException) -> str:
     return f"torch_npu is installed but does not import ({text}); reinstall it for this torch"
 
 
-class NPUAccelerator(Accelerator):
+class NPUAccelerator(TorchDeviceAccelerator):
+    """RNG state, memory statistics, synchronisation, bf16 support (Ascend 910B / Atlas A2 and later compute in
+    bf16, the 910A does not) and the device name come from ``torch.npu`` through :class:`TorchDeviceAccelerator`;
+    the device index goes through HCCL's visible-device mapping (:mod:`twinkle_backend_npu.hccl`)."""
+
     name = "npu"
     device_type = "npu"  # the instance asks torch (tensor_device_type) once torch_npu is imported
     dist_backend = "hccl"
+    device_module = "npu"
 
     def __init__(self) -> None:
         reason = self.why_unavailable()
@@ -112,63 +117,24 @@ class NPUAccelerator(Accelerator):
         if added:
             logger.info("HCCL environment for this job: %s", ", ".join(f"{k}={v}" for k, v in sorted(added.items())))
 
+    @staticmethod
+    def device_index(local_rank: int | None = None) -> int:
+        """The NPU index of ``local_rank`` (this process's by default) among the visible devices."""
+        from twinkle_core import distributed
+
+        return hccl.visible_device_index(distributed.local_rank() if local_rank is None else local_rank)
+
     def device(self, local_rank: int | None = None) -> Any:
         import torch
 
-        from twinkle_core import distributed
-
-        index = hccl.visible_device_index(distributed.local_rank() if local_rank is None else local_rank)
+        index = self.device_index(local_rank)
         if self.device_type == "cpu":
             return torch.device("cpu")
         return torch.device(self.device_type, index)
 
     def set_device(self, local_rank: int | None = None) -> None:
-        import torch
-
-        from twinkle_core import distributed
-
-        torch.npu.set_device(hccl.visible_device_index(distributed.local_rank() if local_rank is None else local_rank))
-
-    def get_rng_state(self) -> Any:
-        import torch
-
-        return torch.npu.get_rng_state_all()
-
-    def set_rng_state(self, state: Any) -> None:
-        import torch
-
-        torch.npu.set_rng_state_all(state)
-
-    def synchronize(self) -> None:
-        import torch
-
-        torch.npu.synchronize()
-
-    def memory_allocated(self) -> int | None:
-        import torch
-
-        return torch.npu.memory_allocated()
-
-    def max_memory_allocated(self) -> int | None:
-        import torch
-
-        return torch.npu.max_memory_allocated()
-
-    def reset_peak_memory_stats(self) -> None:
-        import torch
-
-        torch.npu.reset_peak_memory_stats()
-
-    def supports_bf16(self) -> bool:
-        import torch
-
-        # Ascend 910B (Atlas A2) and later compute in bf16; the 910A does not
-        return bool(torch.npu.is_bf16_supported())
+        # an index, not self.device(): under the CPU fake the device is ``cpu`` but torch.npu still binds a rank
+        self.runtime().set_device(self.device_index(local_rank))
 
     def supports_fp8(self) -> bool:
         return False  # no float8 training path for Ascend in torch_npu's public API
-
-    def describe(self) -> str:
-        import torch
-
-        return f"npu ({torch.npu.get_device_name()})"

@@ -1,24 +1,49 @@
-"""The commands for after training: ``twinkle chat``, ``export``, ``eval`` and ``plot``.
+"""The ``twinkle`` sub-commands: the contract a command implements, and the core's own commands.
 
-One module per command, each with ``add_parser(subparsers)`` and ``run(args) -> exit code``. Importing
-this package (and building the parser) imports neither torch nor transformers: each command imports them
-when it runs.
+Every command is registered through ``twinkle_register_commands`` with a
+:class:`~twinkle_core.records.CommandRecord`, the core's included (``train``, ``plugins``, ``plot``: one module
+each here); ``chat``, ``export`` and ``eval`` come with ``twinkle-backend-hf``, which owns transformers and peft.
+A command module imports nothing heavy at import time (the parser of every command is built on each call of
+``twinkle``, ``twinkle --help`` included): torch and the rest are imported inside :meth:`Command.run`.
+
+A command of your own::
+
+    class ServeCommand(Command):
+        description = "Serve a checkpoint over HTTP."
+
+        def add_arguments(self, parser):
+            parser.add_argument("checkpoint")
+
+        def run(self, args):
+            from my_pkg.server import serve  # heavy imports here
+
+            serve(args.checkpoint)
+            return 0
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-from typing import Any
-
-# command name -> module under twinkle_core.commands
-COMMANDS = {"chat": "chat", "export": "export", "eval": "evaluate", "plot": "plot"}
+from typing import ClassVar
 
 
-def add_parsers(sub: Any) -> None:
-    for module in COMMANDS.values():
-        importlib.import_module(f"twinkle_core.commands.{module}").add_parser(sub)
+class Command:
+    """A ``twinkle NAME`` sub-command. Subclasses set :attr:`description` and implement :meth:`run`."""
 
+    #: the text of ``twinkle NAME --help`` (the one-line help is the record's ``description``)
+    description: ClassVar[str] = ""
+    #: whether the command lists plugin load failures itself (``twinkle plugins``), so the CLI does not also
+    #: print them as warnings
+    reports_plugin_failures: ClassVar[bool] = False
 
-def run(args: argparse.Namespace) -> int:
-    return int(importlib.import_module(f"twinkle_core.commands.{COMMANDS[args.command]}").run(args))
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add the command's arguments to its parser (no heavy imports here)."""
+
+    def take_unparsed(self, args: argparse.Namespace, unparsed: list[str]) -> list[str]:
+        """Arguments the parser did not recognise; keep those the command understands (on ``args``) and return
+        the rest, which are an error. Default: none are understood."""
+        return unparsed
+
+    def run(self, args: argparse.Namespace) -> int:
+        """Do the work; return the exit status. A :class:`~twinkle_core.errors.ConfigError` exits with 2."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement run()")

@@ -10,24 +10,29 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
+from twinkle_core.commands import Command
 from twinkle_core.errors import ConfigError
 
-HELP = "draw a run's loss curves (logs.jsonl) as a PNG"
 DEFAULT_KEYS = ("loss", "exact_match", "reward_mean", "accuracy", "completion_length_mean")
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("plot", help=HELP, description="Draw the curves of a run's logs.jsonl as a PNG.")
-    p.add_argument("logs", help="logs.jsonl, or the run's output directory holding it")
-    p.add_argument("--output", "-o", metavar="PNG", help="where to write (default: curves.png beside the log)")
-    p.add_argument("--keys", metavar="KEY[,KEY]",
-                   help=f"values to draw, one panel each (default: those of {', '.join(DEFAULT_KEYS)} the log has)")
-    p.add_argument("--title", default=None, help="figure title (default: the run directory's name)")
+class PlotCommand(Command):
+    description = "Draw the curves of a run's logs.jsonl as a PNG."
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("logs", help="logs.jsonl, or the run's output directory holding it")
+        parser.add_argument("--output", "-o", metavar="PNG", help="where to write (default: curves.png beside the log)")
+        parser.add_argument("--keys", metavar="KEY[,KEY]",
+                            help=f"values to draw, one panel each (default: those of {', '.join(DEFAULT_KEYS)} the "
+                                 f"log has)")
+        parser.add_argument("--title", default=None, help="figure title (default: the run directory's name)")
+
+    def run(self, args: argparse.Namespace) -> int:
+        return plot(args)
 
 
-def run(args: argparse.Namespace) -> int:
+def plot(args: argparse.Namespace) -> int:
     from twinkle_core.train.curves import CURVES_FILE, numeric_keys, plot_curves
     from twinkle_core.train.logging import LOG_FILE
 

@@ -36,18 +36,24 @@ def _as_feature(feature: Any) -> InputFeature:
 def collate_causal_lm(features: Sequence[Any], pad_token_id: int,
                       pad_to_multiple_of: int | None = None) -> dict[str, Any]:
     """Right-pad ``features`` into a batch of int64 tensors (see the module doc for the layouts)."""
+    if pad_token_id is None:
+        raise ValueError("pad_token_id is None; set tokenizer.pad_token (e.g. to the eos token)")
+    return collate_tokens([_as_feature(f) for f in features], pad_token_id, pad_to_multiple_of)
+
+
+def collate_tokens(features: Sequence[Any], pad_token_id: int, pad_to_multiple_of: int | None = None) -> dict[str, Any]:
+    """The text part of a batch in the module doc's layouts, for any features with ``input_ids``, ``labels`` and
+    ``position_ids`` (``None`` unless packed) attributes: a task with more per-row inputs (a VLM's images) adds its
+    own keys to what this returns."""
     import torch
 
     if not features:
         raise ValueError("cannot collate an empty list of features")
-    if pad_token_id is None:
-        raise ValueError("pad_token_id is None; set tokenizer.pad_token (e.g. to the eos token)")
-    items = [_as_feature(f) for f in features]
-    packed = any(f.position_ids is not None for f in items)
-    length = max(len(f.input_ids) for f in items)
+    packed = any(f.position_ids is not None for f in features)
+    length = max(len(f.input_ids) for f in features)
     if pad_to_multiple_of:
         length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
-    batch = len(items)
+    batch = len(features)
     input_ids = torch.full((batch, length), int(pad_token_id), dtype=torch.long)
     labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
     out: dict[str, Any] = {"input_ids": input_ids, "labels": labels}
@@ -57,14 +63,14 @@ def collate_causal_lm(features: Sequence[Any], pad_token_id: int,
     else:
         attention_mask = torch.zeros((batch, length), dtype=torch.long)
         out["attention_mask"] = attention_mask
-    for row, feature in enumerate(items):
+    for row, feature in enumerate(features):
         n = len(feature.input_ids)
         input_ids[row, :n] = torch.tensor(feature.input_ids, dtype=torch.long)
         labels[row, :n] = torch.tensor(feature.labels, dtype=torch.long)
         if packed:
             positions = feature.position_ids if feature.position_ids is not None else list(range(n))
             position_ids[row, :n] = torch.tensor(positions, dtype=torch.long)
-            start = positions[-1] + 1 if n else 0
+            start = positions[-1] + 1 if n else 0  # the padding continues the row's last sequence
             position_ids[row, n:] = torch.arange(start, start + length - n, dtype=torch.long)
         else:
             attention_mask[row, :n] = 1

@@ -25,8 +25,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from twinkle_core.constants import IGNORE_INDEX
+
 ROLES = ("system", "user", "assistant", "tool")
-IGNORE_INDEX = -100
 
 _SHAREGPT_ROLES = {
     "human": "user",
@@ -217,42 +218,49 @@ def _alpaca_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
+def _sharegpt_messages(raw: list[Any]) -> list[dict[str, Any]]:
+    """A ShareGPT ``conversations`` list (``from`` / ``value`` turns, or role/content ones) as role/content dicts."""
+    messages = []
+    for i, turn in enumerate(raw):
+        if not isinstance(turn, dict):
+            raise RowError(f"conversation turn {i} must be an object, got {type(turn).__name__}")
+        if "from" in turn and turn["from"] is not None:
+            who = turn["from"]
+            if who not in _SHAREGPT_ROLES:
+                raise RowError(f"conversation turn {i} has unknown 'from' {who!r}; expected one of "
+                               f"{', '.join(sorted(_SHAREGPT_ROLES))}")
+            msg = {"role": _SHAREGPT_ROLES[who], "content": turn.get("value")}
+            msg.update({k: v for k, v in turn.items() if k not in ("from", "value")})
+        else:  # already role/content inside a "conversations" column
+            msg = dict(turn)
+        messages.append(msg)
+    return messages
+
+
+def _listed(row: dict[str, Any], key: str) -> list[Any]:
+    raw = _maybe_json(row[key])
+    if not isinstance(raw, list):
+        raise RowError(f"'{key}' must be a list, got {type(raw).__name__}")
+    return raw
+
+
+def _row_messages(row: dict[str, Any]) -> tuple[str, list[Any], tuple[str, ...]]:
+    """``(the key the turns came from, the turns, the row's keys that are not extra fields)``."""
+    skip: tuple[str, ...] = ("messages", "conversations", "system")
+    if is_alpaca_row(row):
+        return "instruction", _alpaca_messages(row), skip + ALPACA_KEYS
+    if row.get("messages") is not None:
+        return "messages", [dict(m) if isinstance(m, dict) else m for m in _listed(row, "messages")], skip
+    if row.get("conversations") is not None:
+        return "conversations", _sharegpt_messages(_listed(row, "conversations")), skip
+    raise RowError("row has neither 'messages' nor 'conversations' (nor Alpaca 'instruction' / 'output')")
+
+
 def normalize_conversation(row: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Return ``(messages as role/content dicts, other fields)`` for an OpenAI, ShareGPT or Alpaca row."""
     if not isinstance(row, dict):
         raise RowError(f"a row must be a JSON object, got {type(row).__name__}")
-    skip: tuple[str, ...] = ("messages", "conversations", "system")
-    if is_alpaca_row(row):
-        key = "instruction"
-        messages = _alpaca_messages(row)
-        skip += ALPACA_KEYS
-    elif row.get("messages") is not None:
-        raw = _maybe_json(row["messages"])
-        key = "messages"
-        if not isinstance(raw, list):
-            raise RowError(f"'messages' must be a list, got {type(raw).__name__}")
-        messages = [dict(m) if isinstance(m, dict) else m for m in raw]
-    elif row.get("conversations") is not None:
-        raw = _maybe_json(row["conversations"])
-        key = "conversations"
-        if not isinstance(raw, list):
-            raise RowError(f"'conversations' must be a list, got {type(raw).__name__}")
-        messages = []
-        for i, turn in enumerate(raw):
-            if not isinstance(turn, dict):
-                raise RowError(f"conversation turn {i} must be an object, got {type(turn).__name__}")
-            if "from" in turn and turn["from"] is not None:
-                who = turn["from"]
-                if who not in _SHAREGPT_ROLES:
-                    raise RowError(f"conversation turn {i} has unknown 'from' {who!r}; expected one of "
-                                   f"{', '.join(sorted(_SHAREGPT_ROLES))}")
-                msg = {"role": _SHAREGPT_ROLES[who], "content": turn.get("value")}
-                msg.update({k: v for k, v in turn.items() if k not in ("from", "value")})
-            else:  # already role/content inside a "conversations" column
-                msg = dict(turn)
-            messages.append(msg)
-    else:
-        raise RowError("row has neither 'messages' nor 'conversations' (nor Alpaca 'instruction' / 'output')")
+    key, messages, skip = _row_messages(row)
     if not messages:
         raise RowError(f"'{key}' is empty")
     extra = {k: v for k, v in row.items() if k not in skip}

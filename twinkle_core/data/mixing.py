@@ -98,36 +98,40 @@ def check_columns(columns: Any, where: str = "columns") -> dict[str, str]:
     return dict(columns)
 
 
+def parse_source(item: Any, at: str) -> DataSource:
+    """One source of a data spec: a :class:`DataSource`, a path, or a mapping of :data:`SOURCE_KEYS`."""
+    if isinstance(item, DataSource):
+        return item
+    if isinstance(item, (str, os.PathLike)):
+        return DataSource(path=os.fspath(item))
+    if not isinstance(item, Mapping):
+        raise ConfigError(f"{at}: expected a path or a mapping with 'path', got {type(item).__name__}")
+    unknown = sorted(set(item) - set(SOURCE_KEYS))
+    if unknown:
+        raise ConfigError(f"{at}: unknown key(s) {', '.join(unknown)}; a source takes {', '.join(SOURCE_KEYS)}")
+    if not isinstance(item.get("path"), (str, os.PathLike)) or not os.fspath(item["path"]):
+        raise ConfigError(f"{at}.path: a source needs a path (a file, a directory, hf://org/name)")
+    weight = item.get("weight")
+    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                               or not weight > 0 or weight == float("inf")):
+        raise ConfigError(f"{at}.weight: must be a number > 0, got {weight!r}")
+    split = item.get("split")
+    if split is not None and not isinstance(split, str):
+        raise ConfigError(f"{at}.split: must be a string, got {split!r}")
+    return DataSource(path=os.fspath(item["path"]), weight=None if weight is None else float(weight),
+                      columns=check_columns(item.get("columns"), f"{at}.columns") or None, split=split)
+
+
 def parse_sources(spec: Any, *, columns: Mapping[str, str] | None = None, where: str = "data.train") -> list[DataSource]:
     """The sources of a data spec; ``columns`` applies to sources without their own."""
-    items = list(spec) if isinstance(spec, (list, tuple)) else [spec]
+    several = isinstance(spec, (list, tuple))
+    items = list(spec) if several else [spec]
     if not items:
         raise ConfigError(f"{where}: the list of data sources is empty")
     default_columns = check_columns(columns, "data.columns")
     sources = []
     for i, item in enumerate(items):
-        at = f"{where}[{i}]" if isinstance(spec, (list, tuple)) else where
-        if isinstance(item, DataSource):
-            source = item
-        elif isinstance(item, (str, os.PathLike)):
-            source = DataSource(path=os.fspath(item))
-        elif isinstance(item, Mapping):
-            unknown = sorted(set(item) - set(SOURCE_KEYS))
-            if unknown:
-                raise ConfigError(f"{at}: unknown key(s) {', '.join(unknown)}; a source takes {', '.join(SOURCE_KEYS)}")
-            if not isinstance(item.get("path"), (str, os.PathLike)) or not os.fspath(item["path"]):
-                raise ConfigError(f"{at}.path: a source needs a path (a file, a directory, hf://org/name)")
-            weight = item.get("weight")
-            if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
-                                       or not weight > 0 or weight == float("inf")):
-                raise ConfigError(f"{at}.weight: must be a number > 0, got {weight!r}")
-            split = item.get("split")
-            if split is not None and not isinstance(split, str):
-                raise ConfigError(f"{at}.split: must be a string, got {split!r}")
-            source = DataSource(path=os.fspath(item["path"]), weight=None if weight is None else float(weight),
-                                columns=check_columns(item.get("columns"), f"{at}.columns") or None, split=split)
-        else:
-            raise ConfigError(f"{at}: expected a path or a mapping with 'path', got {type(item).__name__}")
+        source = parse_source(item, f"{where}[{i}]" if several else where)
         if source.columns is None and default_columns:
             source.columns = dict(default_columns)
         sources.append(source)

@@ -18,8 +18,11 @@ clipped policy-gradient losses (``grpo``, ``dapo``, ``dr_grpo``, ``gspo``, ``ppo
 (``ppo_value``).
 
 ``reduction="mean"`` (cross entropy, MSE) returns the mean with ``num_tokens=1``. Per-token
-log-probabilities of the labels, with the shared shift convention and bounded memory, come from
-:func:`twinkle_core.loss.logprobs.token_logprobs`.
+log-probabilities of the labels, with the shared shift convention and bounded memory, at any sampling
+temperature, come from :func:`twinkle_core.loss.logprobs.token_logprobs` (with entropies:
+:func:`~twinkle_core.loss.logprobs.tempered_token_logprobs`). Labels equal to
+:data:`twinkle_core.constants.IGNORE_INDEX` are not scored. A plugin's loss checks its inputs with the
+helpers the built-in ones use (:mod:`twinkle_core.loss.helpers`).
 """
 
 from twinkle_core.loss.base import CallableLoss, Loss, LossContext, LossOutput

@@ -70,6 +70,11 @@ class Loss(ABC):
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
                  context: LossContext | None = None) -> LossOutput: ...
 
+    @property
+    def where(self) -> str:
+        """How the loss names itself in its error messages (its class name: ``GRPOLoss needs inputs[...]``)."""
+        return type(self).__name__
+
     def fuses_lm_head(self, vocab_size: int) -> bool:
         """Whether this loss applies the LM head itself for a ``vocab_size``-entry vocabulary.
 

@@ -7,10 +7,11 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
-from twinkle_core.loss._common import check_reduction
 from twinkle_core.loss.base import Loss, LossContext, LossOutput
 from twinkle_core.loss.fused_head import linear_cross_entropy
+from twinkle_core.loss.helpers import check_reduction
 from twinkle_core.loss.logprobs import (
     DEFAULT_CHUNK_SIZE,
     acc_dtype,
@@ -49,7 +50,7 @@ class CrossEntropyLoss(Loss):
 
     name: ClassVar[str] = "cross_entropy"
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "sum", label_smoothing: float = 0.0,
+    def __init__(self, ignore_index: int = IGNORE_INDEX, reduction: str = "sum", label_smoothing: float = 0.0,
                  lm_head: str = "auto") -> None:
         self.ignore_index = ignore_index
         self.reduction = check_reduction(reduction)
@@ -110,7 +111,7 @@ class ChunkedCrossEntropyLoss(CrossEntropyLoss):
     def __init__(
         self,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
-        ignore_index: int = -100,
+        ignore_index: int = IGNORE_INDEX,
         reduction: str = "sum",
         label_smoothing: float = 0.0,
         lm_head: str = "auto",

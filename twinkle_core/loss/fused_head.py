@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from twinkle_core.loss.logprobs import _linear_chunk, _valid_rows, acc_dtype
+from twinkle_core.constants import IGNORE_INDEX
+from twinkle_core.loss.logprobs import acc_dtype, labelled_rows, linear_logits
 
 __all__ = ["CHUNK_BYTES", "MAX_CHUNKS", "chunk_rows", "linear_cross_entropy"]
 
@@ -52,13 +53,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.zeros_like(hidden2d) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
-        rows = _valid_rows(labels1d, ignore_index)
+        rows = labelled_rows(labels1d, ignore_index)
         total = torch.zeros((), dtype=acc, device=hidden2d.device)
         vocab, want_grads = weight.shape[0], need_h or need_w or need_b
         for start in range(0, rows.numel(), chunk_size):
             idx = rows[start : start + chunk_size]
             h, y = hidden2d.index_select(0, idx), labels1d.index_select(0, idx)
-            z = _linear_chunk(h, weight, bias)
+            z = linear_logits(h, weight, bias)
             # one exponential pass serves the log-sum-exp and the softmax of the gradient
             label_z = z.gather(1, y.unsqueeze(1)).squeeze(1)
             mean_z = z.mean(dim=1) if label_smoothing else None
@@ -97,7 +98,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         bias: torch.Tensor | None = None, *, ignore_index: int = -100,
+                         bias: torch.Tensor | None = None, *, ignore_index: int = IGNORE_INDEX,
                          label_smoothing: float = 0.0, chunk_size: int | None = None) -> torch.Tensor:
     """Summed cross entropy of ``hidden @ weight.T + bias`` against ``labels`` (no shift), label smoothing as in
     :func:`torch.nn.functional.cross_entropy`, computed in at least float32, one chunk of logits at a time.

@@ -7,8 +7,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from twinkle_core.loss._common import require, scalar
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.loss.base import Loss, LossContext, LossOutput
+from twinkle_core.loss.helpers import require, scalar
 from twinkle_core.loss.logprobs import acc_dtype, next_token_labels
 
 
@@ -42,7 +43,7 @@ class GKDLoss(Loss):
     name: ClassVar[str] = "gkd"
 
     def __init__(
-        self, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100, chunk_size: int = 1024
+        self, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = IGNORE_INDEX, chunk_size: int = 1024
     ) -> None:
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"beta must be in [0, 1], got {beta}")

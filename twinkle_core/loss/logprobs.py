@@ -1,4 +1,4 @@
-"""Per-token log-probabilities of the labels, computed with bounded memory.
+"""Per-token log-probabilities of the labels, computed with bounded memory, at any sampling temperature.
 
 Every built-in loss that needs ``log p(label)`` (cross entropy, DPO, GRPO and friends) goes through
 this module, so the shift convention and the numerics live in one place.
@@ -7,7 +7,15 @@ Conventions
 -----------
 ``logits`` is ``[B, T, V]`` and ``labels`` is ``[B, T]`` aligned with ``input_ids`` (the Hugging Face
 convention): ``logits[:, t]`` predicts ``labels[:, t + 1]``. Positions whose label equals
-``ignore_index`` are masked out.
+``ignore_index`` (:data:`twinkle_core.constants.IGNORE_INDEX` by default) are masked out.
+
+Temperature
+-----------
+``temperature`` scores the labels under ``softmax(logits / temperature)``: a rollout drawn at temperature
+``T`` came from that distribution, so the policy losses' importance ratios must use it (TRL's GRPO trainer
+divides the logits by the sampling temperature the same way). The division happens per chunk, on the float32
+copy of that chunk that the log-sum-exp needs anyway, so no second ``[B, T, V]`` tensor exists; the gradient
+of ``log p(y)`` with respect to a row ``z`` is then ``(onehot(y) - p) / temperature``.
 
 Memory
 ------
@@ -35,27 +43,37 @@ weight, so that the ``[N, V]`` logits are never materialised at all (only one ch
 Both functions return two per-row values: ``log p(label)`` and the mean log-probability over the
 vocabulary, ``mean_v log p(v)`` (the label-smoothing term of cross entropy). For those the gradient
 with respect to the logits ``z`` is ``onehot(label) - softmax(z)`` and ``1/V - softmax(z)``.
+:func:`tempered_token_logprobs` also returns the entropy of every scored position (no gradient), taken from
+the same forward pass.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 
+from twinkle_core.constants import IGNORE_INDEX
+
 __all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "TokenLogprobs",
     "acc_dtype",
     "label_logprobs",
+    "labelled_rows",
     "linear_label_logprobs",
+    "linear_logits",
     "next_token_labels",
     "shift_labels",
+    "tempered_token_logprobs",
     "token_logprobs",
 ]
 
 DEFAULT_CHUNK_SIZE = 1024
 
 
-def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """``[B, T]`` labels re-aligned with the logits positions: ``out[:, t] = labels[:, t + 1]``.
 
     The last position (which predicts nothing) gets ``ignore_index``. Shifting the labels instead of
@@ -65,7 +83,7 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
     return torch.cat([labels[..., 1:], pad], dim=-1)
 
 
-def next_token_labels(inputs: dict[str, Any], ignore_index: int = -100, device: Any = None) -> torch.Tensor:
+def next_token_labels(inputs: dict[str, Any], ignore_index: int = IGNORE_INDEX, device: Any = None) -> torch.Tensor:
     """The labels each logits position predicts: ``inputs["shift_labels"]`` when the batch carries them
     already shifted (sequence parallelism shifts before splitting the sequence), else
     ``shift_labels(inputs["labels"])``."""
@@ -79,8 +97,25 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _valid_rows(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    return (labels != ignore_index).nonzero(as_tuple=True)[0]
+def labelled_rows(labels1d: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Indices of the rows of flat ``labels1d`` that carry a label (the only rows a chunked loss computes)."""
+    return (labels1d != ignore_index).nonzero(as_tuple=True)[0]
+
+
+def linear_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``hidden @ weight.T + bias`` for one chunk of rows, in :func:`acc_dtype` of the weight (the LM head's
+    logits as the chunked losses compute them: matrix product in the weight's dtype, then upcast)."""
+    z = hidden.to(weight.dtype) @ weight.t()
+    if bias is not None:
+        z = z + bias
+    return z.to(acc_dtype(weight.dtype))
+
+
+def _check_options(chunk_size: int, temperature: float = 1.0) -> None:
+    if not temperature > 0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be positive and finite, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
 
 
 def _chunk_grad(
@@ -88,11 +123,10 @@ def _chunk_grad(
 ) -> torch.Tensor:
     """d/dz of ``g_label * log p(y) + g_mean * mean_v log p(v)`` for one chunk; overwrites ``z``."""
     probs = z.sub_(lse.unsqueeze(1)).exp_()
-    total = torch.zeros_like(lse)
-    if g_label is not None:
-        total = total + g_label
-    if g_mean is not None:
-        total = total + g_mean
+    if g_label is None or g_mean is None:
+        total = g_label if g_mean is None else g_mean
+    else:
+        total = g_label + g_mean
     dz = probs.mul_(-total.unsqueeze(1))
     if g_label is not None:
         dz.scatter_add_(1, y.unsqueeze(1), g_label.unsqueeze(1))
@@ -101,57 +135,100 @@ def _chunk_grad(
     return dz
 
 
-def _chunk_forward(z: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    lse = torch.logsumexp(z, dim=1)
-    label_lp = z.gather(1, y.unsqueeze(1)).squeeze(1) - lse
-    mean_lp = z.mean(dim=1) - lse
-    return lse, label_lp, mean_lp
+class _RowScores(NamedTuple):
+    """Per row of the flat logits: ``log p(label)``, ``mean_v log p(v)``, the entropy (all zeros unless asked
+    for, and where ignored), and the log-sum-exp of the labelled rows that backward reuses."""
+
+    label_lp: torch.Tensor
+    mean_lp: torch.Tensor
+    entropy: torch.Tensor
+    lse: torch.Tensor
+
+
+def _score_rows(rows: torch.Tensor, labels1d: torch.Tensor, n_rows: int, acc: torch.dtype, device: Any,
+                chunk_size: int, chunk_logits: Callable[[torch.Tensor], torch.Tensor],
+                with_entropy: bool = False) -> _RowScores:
+    """The forward pass of both chunked functions: ``chunk_logits(idx)`` gives a fresh ``[len(idx), V]`` chunk
+    of logits in ``acc`` (the loop may overwrite it)."""
+    label_lp = torch.zeros(n_rows, dtype=acc, device=device)
+    mean_lp = torch.zeros(n_rows, dtype=acc, device=device)
+    entropy = torch.zeros(n_rows, dtype=acc, device=device)
+    lse = torch.empty(rows.numel(), dtype=acc, device=device)
+    for start in range(0, rows.numel(), chunk_size):
+        idx = rows[start : start + chunk_size]
+        z = chunk_logits(idx)
+        c_lse = torch.logsumexp(z, dim=1)
+        label_lp.index_copy_(0, idx, z.gather(1, labels1d.index_select(0, idx).unsqueeze(1)).squeeze(1) - c_lse)
+        mean_lp.index_copy_(0, idx, z.mean(dim=1) - c_lse)
+        if with_entropy:
+            log_p = z.sub_(c_lse.unsqueeze(1))
+            # -sum p log p on log-probs directly: exact where p underflows (the term is 0, not 0 * -inf)
+            entropy.index_copy_(0, idx, -(log_p.exp() * log_p).sum(dim=1))
+        lse[start : start + idx.numel()] = c_lse
+    return _RowScores(label_lp, mean_lp, entropy, lse)
+
+
+def _row_grads(rows: torch.Tensor, labels1d: torch.Tensor, lse: torch.Tensor, chunk_size: int,
+               chunk_logits: Callable[[torch.Tensor], torch.Tensor], g_label: torch.Tensor | None,
+               g_mean: torch.Tensor | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The backward pass of both chunked functions, chunk by chunk: ``(idx, d(loss) / d(logits[idx]))``."""
+    for start in range(0, rows.numel(), chunk_size):
+        idx = rows[start : start + chunk_size]
+        yield idx, _chunk_grad(
+            chunk_logits(idx),
+            lse[start : start + idx.numel()],
+            labels1d.index_select(0, idx),
+            None if g_label is None else g_label.index_select(0, idx).to(lse.dtype),
+            None if g_mean is None else g_mean.index_select(0, idx).to(lse.dtype),
+        )
+
+
+def _scaled_rows(logits2d: torch.Tensor, dtype: torch.dtype, temperature: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``idx -> logits2d[idx] / temperature`` in ``dtype``: a fresh chunk (``index_select`` copies)."""
+
+    def chunk(idx: torch.Tensor) -> torch.Tensor:
+        z = logits2d.index_select(0, idx).to(dtype)
+        return z if temperature == 1.0 else z.div_(temperature)
+
+    return chunk
 
 
 class _LabelLogProbs(torch.autograd.Function):
-    """``(log p(label), mean_v log p(v))`` per row of ``logits2d`` ``[N, V]``; zeros where ignored."""
+    """``(log p(label), mean_v log p(v), H(p))`` per row of ``logits2d`` ``[N, V]`` with
+    ``p = softmax(row / temperature)``; zeros where ignored. The entropy (computed only ``with_entropy``) has no
+    gradient."""
 
     @staticmethod
-    def forward(ctx: Any, logits2d: torch.Tensor, labels1d: torch.Tensor, ignore_index: int, chunk_size: int):
-        n_rows, acc = logits2d.shape[0], acc_dtype(logits2d.dtype)
-        rows = _valid_rows(labels1d, ignore_index)
-        label_lp = torch.zeros(n_rows, dtype=acc, device=logits2d.device)
-        mean_lp = torch.zeros(n_rows, dtype=acc, device=logits2d.device)
-        lse = torch.empty(rows.numel(), dtype=acc, device=logits2d.device)
-        for start in range(0, rows.numel(), chunk_size):
-            idx = rows[start : start + chunk_size]
-            z = logits2d.index_select(0, idx).to(acc)
-            c_lse, c_label, c_mean = _chunk_forward(z, labels1d.index_select(0, idx))
-            lse[start : start + idx.numel()] = c_lse
-            label_lp.index_copy_(0, idx, c_label)
-            mean_lp.index_copy_(0, idx, c_mean)
-        ctx.save_for_backward(logits2d, labels1d, rows, lse)
-        ctx.chunk_size = chunk_size
+    def forward(ctx: Any, logits2d: torch.Tensor, labels1d: torch.Tensor, ignore_index: int, chunk_size: int,
+                temperature: float, with_entropy: bool):
+        acc = acc_dtype(logits2d.dtype)
+        rows = labelled_rows(labels1d, ignore_index)
+        scores = _score_rows(rows, labels1d, logits2d.shape[0], acc, logits2d.device, chunk_size,
+                             _scaled_rows(logits2d, acc, temperature), with_entropy)
+        ctx.save_for_backward(logits2d, labels1d, rows, scores.lse)
+        ctx.chunk_size, ctx.temperature = chunk_size, temperature
+        ctx.mark_non_differentiable(scores.entropy)
         ctx.set_materialize_grads(False)
-        return label_lp, mean_lp
+        return scores.label_lp, scores.mean_lp, scores.entropy
 
     @staticmethod
-    def backward(ctx: Any, g_label: torch.Tensor | None, g_mean: torch.Tensor | None):
+    def backward(ctx: Any, g_label: torch.Tensor | None, g_mean: torch.Tensor | None, _g_entropy: Any):
         logits2d, labels1d, rows, lse = ctx.saved_tensors
         grad = torch.zeros_like(logits2d)
         if g_label is None and g_mean is None:
-            return grad, None, None, None
-        for start in range(0, rows.numel(), ctx.chunk_size):
-            idx = rows[start : start + ctx.chunk_size]
-            z = logits2d.index_select(0, idx).to(lse.dtype)
-            dz = _chunk_grad(
-                z,
-                lse[start : start + idx.numel()],
-                labels1d.index_select(0, idx),
-                None if g_label is None else g_label.index_select(0, idx).to(lse.dtype),
-                None if g_mean is None else g_mean.index_select(0, idx).to(lse.dtype),
-            )
+            return grad, None, None, None, None, None
+        chunks = _row_grads(rows, labels1d, lse, ctx.chunk_size, _scaled_rows(logits2d, lse.dtype, ctx.temperature),
+                            g_label, g_mean)
+        for idx, dz in chunks:
+            if ctx.temperature != 1.0:  # the chain rule through z / temperature
+                dz = dz.div_(ctx.temperature)
             grad.index_copy_(0, idx, dz.to(grad.dtype))
-        return grad, None, None, None
+        return grad, None, None, None, None, None
 
 
 class _LinearLabelLogProbs(torch.autograd.Function):
-    """Like :class:`_LabelLogProbs` but from ``hidden2d`` ``[N, H]`` and ``weight`` ``[V, H]``.
+    """Like :class:`_LabelLogProbs` (at temperature 1, no entropy) but from ``hidden2d`` ``[N, H]`` and
+    ``weight`` ``[V, H]``.
 
     The logits ``hidden @ weight.T (+ bias)`` exist one chunk at a time, in forward and (recomputed)
     in backward. The weight gradient is accumulated in float32.
@@ -167,22 +244,13 @@ class _LinearLabelLogProbs(torch.autograd.Function):
         ignore_index: int,
         chunk_size: int,
     ):
-        n_rows, acc = hidden2d.shape[0], acc_dtype(weight.dtype)
-        rows = _valid_rows(labels1d, ignore_index)
-        label_lp = torch.zeros(n_rows, dtype=acc, device=hidden2d.device)
-        mean_lp = torch.zeros(n_rows, dtype=acc, device=hidden2d.device)
-        lse = torch.empty(rows.numel(), dtype=acc, device=hidden2d.device)
-        for start in range(0, rows.numel(), chunk_size):
-            idx = rows[start : start + chunk_size]
-            z = _linear_chunk(hidden2d.index_select(0, idx), weight, bias)
-            c_lse, c_label, c_mean = _chunk_forward(z, labels1d.index_select(0, idx))
-            lse[start : start + idx.numel()] = c_lse
-            label_lp.index_copy_(0, idx, c_label)
-            mean_lp.index_copy_(0, idx, c_mean)
-        ctx.save_for_backward(hidden2d, weight, bias, labels1d, rows, lse)
+        rows = labelled_rows(labels1d, ignore_index)
+        scores = _score_rows(rows, labels1d, hidden2d.shape[0], acc_dtype(weight.dtype), hidden2d.device, chunk_size,
+                             lambda idx: linear_logits(hidden2d.index_select(0, idx), weight, bias))
+        ctx.save_for_backward(hidden2d, weight, bias, labels1d, rows, scores.lse)
         ctx.chunk_size = chunk_size
         ctx.set_materialize_grads(False)
-        return label_lp, mean_lp
+        return scores.label_lp, scores.mean_lp
 
     @staticmethod
     def backward(ctx: Any, g_label: torch.Tensor | None, g_mean: torch.Tensor | None):
@@ -193,23 +261,16 @@ class _LinearLabelLogProbs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         if g_label is not None or g_mean is not None:
-            for start in range(0, rows.numel(), ctx.chunk_size):
-                idx = rows[start : start + ctx.chunk_size]
-                h = hidden2d.index_select(0, idx)
-                dz = _chunk_grad(
-                    _linear_chunk(h, weight, bias),
-                    lse[start : start + idx.numel()],
-                    labels1d.index_select(0, idx),
-                    None if g_label is None else g_label.index_select(0, idx).to(acc),
-                    None if g_mean is None else g_mean.index_select(0, idx).to(acc),
-                )
+            chunks = _row_grads(rows, labels1d, lse, ctx.chunk_size,
+                                lambda idx: linear_logits(hidden2d.index_select(0, idx), weight, bias), g_label, g_mean)
+            for idx, dz in chunks:
                 if grad_b is not None:
                     grad_b += dz.sum(0)
                 dz = dz.to(weight.dtype)
                 if grad_h is not None:
                     grad_h.index_copy_(0, idx, (dz @ weight).to(grad_h.dtype))
                 if grad_w is not None:
-                    grad_w += (dz.t() @ h.to(weight.dtype)).to(acc)
+                    grad_w += (dz.t() @ hidden2d.index_select(0, idx).to(weight.dtype)).to(acc)
         return (
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),
@@ -220,26 +281,27 @@ class _LinearLabelLogProbs(torch.autograd.Function):
         )
 
 
-def _linear_chunk(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    z = h.to(weight.dtype) @ weight.t()
-    if bias is not None:
-        z = z + bias
-    return z.to(acc_dtype(weight.dtype))
-
-
 def label_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, chunk_size: int = DEFAULT_CHUNK_SIZE
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
+    chunk_size: int = DEFAULT_CHUNK_SIZE, *, temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per position ``(log p(label), mean_v log p(v))`` in :func:`acc_dtype`, shaped like ``labels``.
+    """Per position ``(log p(label), mean_v log p(v))`` in :func:`acc_dtype`, shaped like ``labels``, with
+    ``p = softmax(logits / temperature)``.
 
     No shift here: ``logits[..., i, :]`` scores ``labels[..., i]``. Ignored positions are 0.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    label_lp, mean_lp, _ = _chunked_scores(logits, labels, ignore_index, chunk_size, temperature, False)
+    return label_lp, mean_lp
+
+
+def _chunked_scores(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, chunk_size: int,
+                    temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_options(chunk_size, temperature)
     vocab = logits.shape[-1]
     flat_labels = labels.reshape(-1).to(device=logits.device, dtype=torch.long)
-    label_lp, mean_lp = _LabelLogProbs.apply(logits.reshape(-1, vocab), flat_labels, ignore_index, chunk_size)
-    return label_lp.view(labels.shape), mean_lp.view(labels.shape)
+    scores = _LabelLogProbs.apply(logits.reshape(-1, vocab), flat_labels, ignore_index, chunk_size,
+                                  float(temperature), with_entropy)
+    return tuple(score.view(labels.shape) for score in scores)
 
 
 def linear_label_logprobs(
@@ -247,12 +309,11 @@ def linear_label_logprobs(
     weight: torch.Tensor,
     labels: torch.Tensor,
     bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`label_logprobs` of ``hidden @ weight.T + bias`` without materialising those logits."""
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    _check_options(chunk_size)
     flat_labels = labels.reshape(-1).to(device=hidden.device, dtype=torch.long)
     label_lp, mean_lp = _LinearLabelLogProbs.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_labels, ignore_index, chunk_size
@@ -261,18 +322,42 @@ def linear_label_logprobs(
 
 
 def token_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, chunk_size: int = DEFAULT_CHUNK_SIZE
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
+    chunk_size: int = DEFAULT_CHUNK_SIZE, *, temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shifted per-token log-probabilities of the labels.
 
     Args:
         logits: ``[B, T, V]``.
         labels: ``[B, T]``, aligned with ``input_ids``.
+        temperature: score under ``softmax(logits / temperature)`` (the sampling temperature of a rollout).
 
     Returns:
         ``(logps, mask)``, both ``[B, T - 1]``: ``logps[:, t] = log softmax(logits[:, t])[labels[:, t + 1]]``
         in :func:`acc_dtype` (0 where masked) and ``mask`` the boolean ``labels[:, 1:] != ignore_index``.
     """
     shifted = shift_labels(labels.to(logits.device), ignore_index)
-    logps, _ = label_logprobs(logits, shifted, ignore_index, chunk_size)
+    logps, _ = label_logprobs(logits, shifted, ignore_index, chunk_size, temperature=temperature)
     return logps[..., :-1], shifted[..., :-1] != ignore_index
+
+
+class TokenLogprobs(NamedTuple):
+    """Per shifted position, ``[B, T - 1]``: ``logps`` (with gradient, 0 where masked), ``entropy`` (no
+    gradient, 0 where masked) and the boolean ``mask`` of label positions."""
+
+    logps: torch.Tensor
+    entropy: torch.Tensor
+    mask: torch.Tensor
+
+
+def tempered_token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                            ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE) -> TokenLogprobs:
+    """Shifted ``log softmax(logits / temperature)[label]`` and entropies, ``[B, T - 1]`` in float32 (or 64).
+
+    Args:
+        logits: ``[B, T, V]``.
+        labels: ``[B, T]``, aligned with ``input_ids``; ``ignore_index`` marks positions not scored.
+    """
+    shifted = shift_labels(labels.to(logits.device), ignore_index)
+    logps, _, entropy = _chunked_scores(logits, shifted, ignore_index, chunk_size, temperature, True)
+    return TokenLogprobs(logps[..., :-1], entropy[..., :-1], shifted[..., :-1] != ignore_index)

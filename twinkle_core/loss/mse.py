@@ -6,8 +6,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from twinkle_core.loss._common import check_reduction, require
 from twinkle_core.loss.base import Loss, LossContext, LossOutput
+from twinkle_core.loss.helpers import check_reduction, require
 from twinkle_core.loss.logprobs import acc_dtype
 
 

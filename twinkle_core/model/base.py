@@ -32,6 +32,10 @@ class TwinkleModel(ABC):
     supported_strategies: ClassVar[tuple[str, ...] | None] = None
     #: one sentence appended to the error when a strategy is refused (why the model needs its strategy)
     strategy_note: ClassVar[str] = ""
+    #: the ``Task.model_kind`` values this class builds a network for (``"causal_lm"``, ``"token_value"`` ...);
+    #: ``None``: any. A task of another kind is refused before anything is built
+    #: (:func:`twinkle_core.capabilities.check_model_kind`)
+    supported_model_kinds: ClassVar[tuple[str, ...] | None] = None
 
     @classmethod
     def load_tokenizer(cls, path: str, *, trust_remote_code: bool = False) -> Any:
@@ -54,6 +58,18 @@ class TwinkleModel(ABC):
         the trainer shards data by them, rollouts reduce over their group. Default: every process is a
         data-parallel rank; a model with tensor / pipeline / sequence parallelism returns its strategy's."""
         return DataParallelView.of_world()
+
+    @property
+    def reshards_checkpoints(self) -> bool:
+        """Whether a training checkpoint of this model resumes on another number of processes (the trainer then
+        accepts a changed layout on ``--resume``). Default: no; a model whose strategy reshards says so."""
+        return False
+
+    @property
+    def network(self) -> Any:
+        """The backend's own network, unwrapped (no strategy or adapter wrapper): what a task reads a config
+        from or adapts in ``prepare_model``. A model without a torch network raises ``ConfigError``."""
+        raise ConfigError(f"{type(self).__name__} exposes no network (TwinkleModel.network)")
 
     # ------------------------------------------------------------------ compute
     @abstractmethod

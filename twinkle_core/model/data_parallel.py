@@ -13,11 +13,12 @@ probing a strategy's attributes. Tensor- or pipeline-parallel ranks that hold th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from twinkle_core import distributed
+
+if TYPE_CHECKING:  # importing the model contract imports no torch (recipe checking runs without it)
+    import torch
 
 
 @dataclass(frozen=True)

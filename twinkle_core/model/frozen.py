@@ -1,4 +1,5 @@
-"""Frozen copies: a model's current base weights in a new model that only evaluates (DPO's reference model).
+"""Frozen copies: a model's current base weights in a new model that only evaluates (DPO's reference model);
+and siblings: a new trainable model of the same class, strategy and precision for another task (a PPO critic).
 
 :meth:`TorchTwinkleModel.frozen_copy` builds a new model of the same class from the constructor arguments
 the original was built with (recorded by ``TorchTwinkleModel.__new__``), with a fresh strategy of the same
@@ -58,6 +59,15 @@ def rebuild_arguments(model: TorchTwinkleModel) -> dict[str, Any]:
     return kwargs
 
 
+def sibling(model: TorchTwinkleModel, *, task: Any, **overrides: Any) -> TorchTwinkleModel:
+    """A new, trainable model like ``model`` for ``task`` (see ``TwinkleModel.sibling``)."""
+    kwargs = rebuild_arguments(model)
+    # its own precision object: a trainable model scales its own loss (fp16)
+    kwargs["precision"] = model.precision.name  # by name: a Precision instance may hold a loss scaler
+    kwargs.update(task=task, **overrides)
+    return type(model)(**kwargs)
+
+
 def freeze(model: TorchTwinkleModel) -> None:
     model.frozen = True
     for p in model.module.parameters():
@@ -66,9 +76,9 @@ def freeze(model: TorchTwinkleModel) -> None:
 
 
 def frozen_copy(model: TorchTwinkleModel) -> TorchTwinkleModel:
-    if model._adapters:
+    if model.adapter_states.configs:
         raise ConfigError(f"frozen_copy copies the full model, but this one carries LoRA adapter(s) "
-                          f"{sorted(model._adapters)}: the reference of a LoRA policy is its base model, which "
+                          f"{sorted(model.adapter_states.configs)}: the reference of a LoRA policy is its base model, which "
                           f"forward_only(inputs=..., adapter_name=..., disable_adapters=True) runs without a copy")
     weights = model.get_state_dict()  # complete on every rank (a collective under sharded strategies)
     copy = type(model)(**rebuild_arguments(model))

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["deferred"]
+__all__ = ["deferred", "fusable"]
 
 
 @contextlib.contextmanager
@@ -39,3 +39,16 @@ def deferred(head: torch.nn.Linear) -> Iterator[dict[str, Any]]:
     if not captured:
         raise RuntimeError(f"the network never called its LM head ({type(head).__name__}); the backend's "
                            f"output_layer() names the wrong module")
+
+
+def fusable(head: torch.nn.Linear | None, loss: Any, readers: list[Any], *,
+            forward_is_collective: bool) -> torch.nn.Linear | None:
+    """``head`` when the loss applies it itself (``Loss.fuses_lm_head``) and no one else needs the logits;
+    ``None`` otherwise. ``readers``: the task and metrics, each of which reads logits unless it says not."""
+    fuses = getattr(loss, "fuses_lm_head", None)
+    if head is None or fuses is None or not fuses(head.out_features):
+        return None
+    # a sharding strategy gathers the head's weight only inside its forward; a task or metric may read logits
+    if forward_is_collective or any(getattr(r, "reads_logits", True) for r in readers if r):
+        return None
+    return head

@@ -11,10 +11,10 @@ the largest rank from it. Deleting an adapter from the network is the backend's 
 which the mixin calls. Put the mixin first, so that its methods wrap the backend's::
 
     class MultiLoraMyModel(MultiTenantMixin, MyModel):
-        def _tenant_lora_config(self, config):
+        def tenant_lora_config(self, config):
             return to_my_lora_config(config)
 
-        def _lora_rank(self, lora_config):
+        def lora_rank(self, lora_config):
             return max([lora_config.r, *lora_config.rank_pattern.values()])
 
     model = MultiLoraMyModel(config=..., max_lora_rank=16, max_tenants=8)
@@ -50,32 +50,32 @@ class MultiTenantMixin(_TenantBase, metaclass=ABCMeta):
         for p in self.module.parameters():
             p.requires_grad_(False)
 
-    # ------------------------------------------------------------------ backend hooks
+    # ------------------------------------------------------------------ backend extension (public, abstract)
     @abstractmethod
-    def _tenant_lora_config(self, config: Any) -> Any:
+    def tenant_lora_config(self, config: Any) -> Any:
         """The backend's LoRA config for a user's ``config`` (a dict or the backend's own config)."""
 
     @abstractmethod
-    def _lora_rank(self, lora_config: Any) -> int:
+    def lora_rank(self, lora_config: Any) -> int:
         """The largest rank ``lora_config`` asks for (per-module ranks included)."""
 
     # ------------------------------------------------------------------ policy
     def add_adapter_to_model(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
-        lora_config = self._tenant_lora_config(config)
-        rank = self._lora_rank(lora_config)
+        lora_config = self.tenant_lora_config(config)
+        rank = self.lora_rank(lora_config)
         if rank > self.max_lora_rank:
             raise ConfigError(f"tenant {adapter_name!r} asks for LoRA rank {rank}, above max_lora_rank="
                               f"{self.max_lora_rank}; lower r or build the model with a larger max_lora_rank")
-        if self.max_tenants is not None and len(self._adapters) >= self.max_tenants:
-            raise ConfigError(f"already {len(self._adapters)} tenants (max_tenants={self.max_tenants}); "
+        if self.max_tenants is not None and len(self.adapter_states.configs) >= self.max_tenants:
+            raise ConfigError(f"already {len(self.adapter_states.configs)} tenants (max_tenants={self.max_tenants}); "
                               f"remove one with remove_adapter first")
         super().add_adapter_to_model(adapter_name, lora_config, **kwargs)
 
     def tenants(self) -> list[str]:
-        return sorted(self._adapters)
+        return sorted(self.adapter_states.configs)
 
     def detach_adapter(self, adapter_name: str) -> None:
-        state = self._states[adapter_name]
+        state = self.adapter_states.states[adapter_name]
         state.handle = state.scheduler = None  # drop the tenant's optimizer state with it
         super().detach_adapter(adapter_name)
 

@@ -1,8 +1,27 @@
 """The ``TwinkleModel`` contract implemented once for any ``torch.nn.Module``.
 
-Backends subclass :class:`TorchTwinkleModel` and supply only what differs between them: how the
-network is built, run, given adapters, and written to / read from disk. Strategy (parallelism)
-and precision are plugins chosen by name, so no backend repeats the training-state machinery.
+Backends subclass :class:`TorchTwinkleModel` and supply only what differs between them: the public
+*backend extension* methods (build the network, run it, give it adapters, write / read its weights,
+describe it), listed by phase below with who calls each and when. Strategy (parallelism) and precision
+are plugins chosen by name, so no backend repeats the training-state machinery. A backend whose schedule
+fuses forward and backward (Megatron's pipeline) takes one step's state, loss, device and adapter scope
+from :meth:`TorchTwinkleModel.step_context`.
+
+The backend extension, by phase (the generic model calls these; nothing else should)::
+
+    build    build_network()             once, in the constructor, after capabilities are checked and the
+                                         strategy is set up; kernels and precision are applied to its result
+             describe()                  by get_train_configs() (logs, checkpoints' trainer_state.pt)
+    run      run_network(module, inputs) on every forward (forward, forward_backward, forward_only), under
+                                         the adapter scope and the strategy's forward context
+             output_layer()              once per adapter set, when a loss may apply the LM head itself
+    adapters adapter_config_for(config)  by add_adapter_to_model, before and after Task.adapter_config
+             attach_adapter / detach_adapter   by add_adapter_to_model / remove_adapter
+             activate_adapter(name) / deactivate_adapters()  around every forward (adapter scope)
+             adapter_parameter_names(name)     when an adapter's parameters or weights are selected
+    weights  write_weights / read_weights      by save() (main process) / load() and resume_from_checkpoint()
+             local_weights(state_dict)         by frozen_copy(), before strategy.load_state_dict
+    export   network (property)          the unwrapped network, for tasks (prepare_model, on_export)
 
 Gradient normalisation: every loss returns a *sum* and the number of units it summed over. The
 sums are back-propagated as they come, divided by one constant per accumulation window (the
@@ -16,66 +35,37 @@ micro-batches of 2 give the same update as one batch of 8.
 from __future__ import annotations
 
 import contextlib
-import inspect
-import json
-import math
-import os
 from abc import abstractmethod
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from twinkle_core import checkpoint
-from twinkle_core.accelerator import current_accelerator
-from twinkle_core.capabilities import check_compatible
 from twinkle_core.errors import ConfigError
 from twinkle_core.kernels import KernelSwitch, apply_kernels
-from twinkle_core.loss.base import CallableLoss, Loss, LossOutput, accepts_context
-from twinkle_core.mesh import DeviceMesh, default_strategy, merge_spec_sizes, pop_spec_sizes, suggest_spec_key
-from twinkle_core.metrics import LossMetric, Metric
-from twinkle_core.model import frozen, lm_head
+from twinkle_core.loss.base import LossOutput
+from twinkle_core.mesh import DeviceMesh
+from twinkle_core.model import checkpoint_io, frozen, lm_head, metric_totals
+from twinkle_core.model.adapter_states import FULL_MODEL, AdapterStates, parameters_of
 from twinkle_core.model.base import TwinkleModel
 from twinkle_core.model.data_parallel import DataParallelView
 from twinkle_core.model.frozen import trains
+from twinkle_core.model.loss_setup import build_loss
+from twinkle_core.model.runtime import build_runtime
 from twinkle_core.model.step_context import StepContext
+from twinkle_core.model.train_configs import describe_training
 from twinkle_core.model.train_state import TrainState
-from twinkle_core.names import validate_name
 from twinkle_core.optim import build_optimizer, build_scheduler
-from twinkle_core.plugins import get_plugins
 from twinkle_core.precision import Precision
 from twinkle_core.sampling import GenerationModule
-from twinkle_core.strategy import OptimizerHandle, Strategy
+from twinkle_core.strategy import Strategy
 from twinkle_core.task import default_loss_name
-
-FULL_MODEL = ""  # the TrainState key of full fine-tuning (no adapter)
-
-
-def _tp_sequence_parallel(strategy_cls: type, strategy: Any, options: dict[str, Any] | None,
-                          flag: bool) -> dict[str, Any] | None:
-    """``sequence_parallel=True/False`` (not a size): the strategy's own ``sequence_parallel`` option where it has
-    one (Megatron: sequence parallelism inside tensor-parallel regions); elsewhere a size is needed."""
-    name = strategy if isinstance(strategy, str) else getattr(strategy, "name", type(strategy).__name__)
-    if "sequence_parallel" in inspect.signature(strategy_cls.__init__).parameters:
-        if not isinstance(strategy, str):
-            raise ConfigError("sequence_parallel= with a strategy instance: set it on the strategy itself")
-        options = dict(options or {})
-        if options.get("sequence_parallel", flag) != flag:
-            raise ConfigError(f"sequence_parallel={flag} contradicts strategy_options['sequence_parallel']="
-                              f"{options['sequence_parallel']}; give one")
-        options["sequence_parallel"] = flag
-        return options
-    if flag:
-        raise ConfigError(f"sequence_parallel=True: strategy {name!r} takes the sequence-parallel size, the number "
-                          f"of ranks each sequence is split over (sequence_parallel=2 is mesh sp=2, run by the "
-                          f"'ulysses' strategy)")
-    return options
 
 
 class TorchTwinkleModel(TwinkleModel):
-    """Generic torch implementation. Subclasses implement the ``_`` hooks at the bottom."""
+    """Generic torch implementation; a backend overrides the *backend extension* methods below."""
 
-    #: batch keys passed to the network; everything else (labels, advantages ...) is for the loss
+    #: batch keys passed to the network (the task's ``model_inputs`` are added); the rest is for the loss
     model_input_keys: tuple[str, ...] = ("input_ids", "attention_mask", "position_ids")
 
     def __new__(cls, *args: Any, **kwargs: Any) -> TorchTwinkleModel:
@@ -88,33 +78,11 @@ class TorchTwinkleModel(TwinkleModel):
     def __init__(self, *, strategy: str | Strategy | None = None, strategy_options: dict[str, Any] | None = None,
                  mesh: DeviceMesh | dict[str, int] | None = None, precision: str | Precision = "no",
                  task: Any = None, tokenizer: Any = None, seed: int = 42, kernels: KernelSwitch = None,
-                 **unused: Any) -> None:
-        # the spec's names (tp_size=2, pp_size, dp_size, ep_size, sequence_parallel=N, ...) are the mesh's sizes
-        sizes, tp_sequence_parallel = pop_spec_sizes(unused)
-        if unused:
-            hints = [f"{key} (did you mean {suggest_spec_key(key)}?)" if suggest_spec_key(key) else key
-                     for key in sorted(unused)]
-            raise ConfigError(f"{type(self).__name__} got unknown option(s) {', '.join(hints)}")
-        mesh = merge_spec_sizes(mesh, sizes)
-        plugins = get_plugins()
-        if isinstance(mesh, dict):
-            mesh = DeviceMesh(**mesh)
-        if strategy is None:  # the one default rule: twinkle_core.mesh.default_strategy
-            strategy = default_strategy(type(self))
-        strategy_cls = plugins.load("strategy", strategy) if isinstance(strategy, str) else type(strategy)
-        if tp_sequence_parallel is not None:
-            strategy_options = _tp_sequence_parallel(strategy_cls, strategy, strategy_options, tp_sequence_parallel)
-        check_compatible(type(self), strategy_cls, mesh if mesh is not None else getattr(strategy, "mesh", None),
-                         strategy_name=strategy if isinstance(strategy, str) else strategy.name)
-        self.accelerator = current_accelerator()
-        self.precision = plugins.load("precision", precision)() if isinstance(precision, str) else precision
-        self.precision.check_supported(self.accelerator)
-        if isinstance(strategy, str):
-            strategy = strategy_cls(mesh=mesh, precision=self.precision, **(strategy_options or {}))
-        else:
-            strategy.bind_precision(self.precision)
-        self.strategy = strategy
-        self.strategy.setup(self.accelerator)
+                 **spec: Any) -> None:
+        # capabilities (task kind, strategy, mesh) are checked before the strategy or the network is built
+        runtime = build_runtime(type(self), task=task, strategy=strategy, strategy_options=strategy_options,
+                                mesh=mesh, precision=precision, spec=spec)
+        self.accelerator, self.precision, self.strategy = runtime.accelerator, runtime.precision, runtime.strategy
         self.loss_context = self.strategy.loss_context()
         self.device = self.accelerator.device()
         self.task = task
@@ -125,27 +93,39 @@ class TorchTwinkleModel(TwinkleModel):
         # fused kernels registered for this accelerator (twinkle_core.kernels); ``kernels`` turns them off
         self.kernels = kernels
         self.applied_kernels = apply_kernels(module, self.accelerator.name, kernels)
-        self.module = self.precision.prepare_module(module).to(self.device)
+        self.module = self.strategy.prepare_precision(module).to(self.device)
         self._wrapped: torch.nn.Module | None = None
         self._parameter_cache: dict[str, list[torch.nn.Parameter]] = {}
-        self._states: dict[str, TrainState] = {FULL_MODEL: self._new_state(FULL_MODEL)}
-        self._adapters: dict[str, Any] = {}
-        self._lm_head_of: tuple[Any, ...] | None = None  # what output_layer() was last asked about, and its answer
-        self._lm_head_found: torch.nn.Linear | None = None
+        self.adapter_states = AdapterStates()
+        self._states, self._adapters = self.adapter_states.states, self.adapter_states.configs  # the same dicts
+        self._head_asked: tuple[Any, ...] | None = None  # what output_layer() was last asked about, and its answer
+        self._head_found: torch.nn.Linear | None = None
         #: True on a model made by frozen_copy(): it only evaluates
         self.frozen = False
 
-    # ================================================================== backend hooks
+    # ================================================================== backend extension
     @abstractmethod
     def build_network(self) -> torch.nn.Module:
-        """Build the network on CPU (weights initialised or loaded)."""
+        """Build the network on CPU (weights initialised or loaded); ``self.task`` tells which kind."""
 
     def run_network(self, module: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Run the network on the model's inputs; return at least ``logits``."""
-        out = module(**{k: v for k, v in inputs.items() if k in self.model_input_keys})
+        """Run ``module`` (the strategy's wrapped network) on ``inputs`` (only :attr:`network_input_keys`, on
+        the device); return at least ``logits``. The task's ``process_outputs`` is applied by the caller."""
+        out = module(**{k: v for k, v in inputs.items() if k in self.network_input_keys})
         return dict(out) if not isinstance(out, dict) else out
 
+    def output_layer(self) -> torch.nn.Linear | None:
+        """The network's output layer, when the backend knows the logits are exactly this plain linear layer
+        applied to the final hidden states (no soft-capping or scaling after it); ``None`` otherwise."""
+        return None
+
+    def adapter_config_for(self, config: Any) -> Any:
+        """The backend's own adapter config for ``config`` (a dict or the backend's config object): what
+        ``Task.adapter_config`` receives and ``attach_adapter`` places. Default: ``config`` as it is."""
+        return config
+
     def attach_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+        """Add a trainable adapter to ``self.module`` (which it may replace, e.g. by PEFT's wrapper)."""
         raise ConfigError(f"{type(self).__name__} does not support adapters")
 
     def detach_adapter(self, adapter_name: str) -> None:
@@ -162,13 +142,13 @@ class TorchTwinkleModel(TwinkleModel):
         raise ConfigError(f"{type(self).__name__} cannot switch its adapters off: forward_only(disable_adapters=True) "
                           f"is not supported by this model class")
 
-    def local_weights(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """``get_state_dict()``'s weights keyed (and cut) the way ``strategy.load_state_dict`` takes them."""
-        return state_dict
-
     def adapter_parameter_names(self, adapter_name: str) -> list[str]:
         """Names (in ``self.module.named_parameters()``) of the adapter's trainable weights."""
         raise ConfigError(f"{type(self).__name__} does not support adapters")
+
+    def local_weights(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``get_state_dict()``'s weights keyed (and cut) the way ``strategy.load_state_dict`` takes them."""
+        return state_dict
 
     @abstractmethod
     def write_weights(self, directory: str, state_dict: dict[str, torch.Tensor], adapter_name: str | None) -> None:
@@ -179,32 +159,17 @@ class TorchTwinkleModel(TwinkleModel):
         """Read weights written by ``write_weights`` back as a state dict keyed like ``self.module``."""
 
     def describe(self) -> dict[str, Any]:
+        """The model's part of ``get_train_configs()``: ``class`` at least (``model_type``, ``vocab_size`` ...)."""
         return {"class": type(self).__name__}
 
-    # ================================================================== helpers
-    def _new_state(self, name: str) -> TrainState:
-        state = TrainState(name=name)
-        state.metrics.append(LossMetric())
-        return state
+    @property
+    def network(self) -> torch.nn.Module:
+        return self.module
 
-    def _resolve_name(self, adapter_name: str | None) -> str:
-        if adapter_name is not None:
-            if adapter_name not in self._adapters:
-                raise ConfigError(f"no adapter named {adapter_name!r}; adapters: {sorted(self._adapters) or 'none'}"
-                                  f" (add one with add_adapter_to_model)")
-            return adapter_name
-        if len(self._adapters) == 1:
-            return next(iter(self._adapters))
-        if len(self._adapters) > 1:
-            raise ConfigError(f"the model has several adapters {sorted(self._adapters)}; pass adapter_name=")
-        return FULL_MODEL
-
-    def _state(self, adapter_name: str | None) -> TrainState:
-        return self._states[self._resolve_name(adapter_name)]
-
+    # ================================================================== adapters and states
     def train_state(self, adapter_name: str | None = None) -> TrainState:
         """The training state of ``adapter_name`` (``None``: the only adapter, or the full model)."""
-        return self._states[self._resolve_name(adapter_name)]
+        return self.adapter_states.state(adapter_name)
 
     def step_context(self, adapter_name: str | None = None, *, disable_adapters: bool = False) -> StepContext:
         """What a backend whose schedule fuses forward and backward (Megatron's pipeline) needs of one step:
@@ -215,24 +180,48 @@ class TorchTwinkleModel(TwinkleModel):
 
     def trainable_parameters(self, *, adapter_name: str | None = None) -> list[torch.nn.Parameter]:
         _ = self.wrapped  # parameters are final only once the strategy has wrapped (sharded) the module
-        return self._parameters(self._resolve_name(adapter_name))
+        return self._parameters(self.adapter_states.resolve(adapter_name))
 
     def _parameters(self, name: str) -> list[torch.nn.Parameter]:
         # cached: walking every parameter name costs milliseconds per call on PEFT models, three calls a
         # step; the cache is dropped whenever the parameter set can change (adapters, wrapping, optimizers)
         cached = self._parameter_cache.get(name)
         if cached is None:
-            if name == FULL_MODEL:
-                cached = [p for p in self.module.parameters() if p.requires_grad]
-            else:
-                wanted = set(self.adapter_parameter_names(name))
-                cached = [p for n, p in self.module.named_parameters() if n in wanted]
-            self._parameter_cache[name] = cached
+            wanted = None if name == FULL_MODEL else set(self.adapter_parameter_names(name))
+            cached = self._parameter_cache[name] = parameters_of(self.module, wanted)
         return cached
+
+    @trains
+    def add_adapter_to_model(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
+        self.adapter_states.check_new(adapter_name)
+        if self._wrapped is not None and self._wrapped is not self.module:
+            raise ConfigError("add adapters before the first forward or set_optimizer: the strategy has already "
+                              "wrapped the model")
+        placed = self.adapter_config_for(config)
+        narrow = getattr(self.task, "adapter_config", None)  # Task.adapter_config: e.g. a VLM's LoRA on its LM only
+        if narrow is not None:
+            placed = self.adapter_config_for(narrow(self, placed))
+        self._parameter_cache.clear()
+        self.attach_adapter(adapter_name, placed, **kwargs)
+        if self._wrapped is not None and self._wrapped is not self.module:
+            # the strategy's wrapping was the module itself (save() or get_state_dict() asked for it, nothing ran
+            # yet): it is redone around the module with its new adapter on first use
+            self._wrapped = None
+        self.adapter_states.add(adapter_name, config)
+
+    def remove_adapter(self, adapter_name: str) -> None:
+        self.adapter_states.resolve(adapter_name)
+        self.detach_adapter(adapter_name)
+        self._parameter_cache.clear()
+        self.adapter_states.remove(adapter_name)
 
     @property
     def data_parallel(self) -> DataParallelView:
         return DataParallelView(self.strategy.dp_rank, self.strategy.dp_size, self.strategy.dp_group)
+
+    @property
+    def reshards_checkpoints(self) -> bool:
+        return self.strategy.reshards_checkpoints
 
     @property
     def wrapped(self) -> torch.nn.Module:
@@ -242,56 +231,51 @@ class TorchTwinkleModel(TwinkleModel):
             self._parameter_cache.clear()
         return self._wrapped
 
+    # ================================================================== compute
+    @property
+    def network_input_keys(self) -> tuple[str, ...]:
+        """The batch keys handed to :meth:`run_network`: the backend's text inputs and the task's ``model_inputs``."""
+        return (*self.model_input_keys, *getattr(self.task, "model_inputs", ()))
+
     def _to_device(self, inputs: dict[str, Any]) -> dict[str, Any]:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     def _adapter_scope(self, adapter_name: str | None,
                        disable_adapters: bool = False) -> contextlib.AbstractContextManager[Any]:
         """The adapter context of a forward: ``adapter_name``'s adapter, or with ``disable_adapters`` none."""
-        name = self._resolve_name(adapter_name)
+        name = self.adapter_states.resolve(adapter_name)
         if disable_adapters and self._adapters:
             return self.deactivate_adapters()
         return self.activate_adapter(name or None)
 
     def _compute(self, inputs: dict[str, Any], adapter_name: str | None,
                  disable_adapters: bool = False, fused_head: torch.nn.Linear | None = None) -> dict[str, Any]:
+        keys = self.network_input_keys
+        network_inputs = {k: v for k, v in inputs.items() if k in keys}
         with self._adapter_scope(adapter_name, disable_adapters), self.strategy.forward_context(self.device.type):
             if fused_head is None:
-                outputs = self.run_network(self.wrapped, inputs)
+                outputs = self.run_network(self.wrapped, network_inputs)
             else:
                 with lm_head.deferred(fused_head) as head_inputs:
-                    outputs = self.run_network(self.wrapped, inputs)
+                    outputs = self.run_network(self.wrapped, network_inputs)
                 outputs = {**{k: v for k, v in outputs.items() if k != "logits"}, **head_inputs}
             return self.task.process_outputs(outputs, inputs) if self.task is not None else outputs
-
-    def output_layer(self) -> torch.nn.Linear | None:
-        """The network's output layer, when the backend knows the logits are exactly this plain linear layer
-        applied to the final hidden states (no soft-capping or scaling after it); ``None`` otherwise."""
-        return None
 
     def _fused_lm_head(self, state: TrainState) -> torch.nn.Linear | None:
         """The LM head to hand to a loss that applies it itself (``Loss.fuses_lm_head``), or ``None``."""
         self._ensure_loss(state)
         asked = (id(self.module), tuple(self._adapters))  # adapters (PEFT's wrapper, a LoRA-targeted head) change it
-        if asked != self._lm_head_of:
-            self._lm_head_of, self._lm_head_found = asked, self.output_layer()
-        head = self._lm_head_found
-        fuses = getattr(state.loss, "fuses_lm_head", None)
-        if head is None or fuses is None or not fuses(head.out_features):
-            return None
-        # a sharding strategy gathers the head's weight only inside its forward; a task or metric may read logits
-        readers = [self.task, *state.metrics]
-        if self.strategy.forward_is_collective or any(getattr(r, "reads_logits", True) for r in readers if r):
-            return None
-        return head
+        if asked != self._head_asked:
+            self._head_asked, self._head_found = asked, self.output_layer()
+        return lm_head.fusable(self._head_found, state.loss, [self.task, *state.metrics],
+                               forward_is_collective=self.strategy.forward_is_collective)
 
-    # ================================================================== compute
     @trains
     def forward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
         return self._forward(inputs, adapter_name, fuse_lm_head=False)
 
     def _forward(self, inputs: dict[str, Any], adapter_name: str | None, *, fuse_lm_head: bool) -> dict[str, Any]:
-        state = self._state(adapter_name)
+        state = self.train_state(adapter_name)
         inputs = self._to_device(self.strategy.prepare_inputs(dict(inputs)))
         if not self.wrapped.training:
             self.wrapped.train()
@@ -303,8 +287,10 @@ class TorchTwinkleModel(TwinkleModel):
 
     @contextlib.contextmanager
     def generation_module(self, *, adapter_name: str | None = None) -> Iterator[GenerationModule]:
-        self._state(adapter_name)
-        target = self._generation_target()
+        self.train_state(adapter_name)
+        # the strategy's unwrapped network: a DDP wrapper's forward would synchronise buffers on every decoding
+        # step; a fully sharded module gathers its own weights
+        target = self.strategy.unwrap_module(self.wrapped)
         was_training = target.training
         target.eval()
         try:
@@ -313,11 +299,6 @@ class TorchTwinkleModel(TwinkleModel):
         finally:
             target.train(was_training)
 
-    def _generation_target(self) -> torch.nn.Module:
-        """The module a sampler calls: the strategy's unwrapped network (a DDP wrapper's forward would
-        synchronise buffers on every decoding step; a fully sharded module gathers its own weights)."""
-        return self.strategy.unwrap_module(self.wrapped)
-
     def _sync_context(self, state: TrainState) -> contextlib.AbstractContextManager[Any]:
         """Skip gradient synchronisation on all but the last micro-batch of an accumulation window."""
         last = (state.backward_calls + 1) % state.gradient_accumulation_steps == 0
@@ -325,7 +306,7 @@ class TorchTwinkleModel(TwinkleModel):
 
     def forward_only(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
                      disable_adapters: bool = False, **kwargs: Any) -> dict[str, Any]:
-        self._state(adapter_name)
+        self.train_state(adapter_name)
         inputs = self._to_device(self.strategy.prepare_inputs(dict(inputs)))
         module = self.wrapped
         was_training = module.training
@@ -338,7 +319,7 @@ class TorchTwinkleModel(TwinkleModel):
 
     def calculate_loss(self, *, inputs: dict[str, Any] | None = None, outputs: dict[str, Any] | None = None,
                        adapter_name: str | None = None, **kwargs: Any) -> LossOutput:
-        state = self._state(adapter_name)
+        state = self.train_state(adapter_name)
         inputs = state.last_inputs if inputs is None else self._to_device(inputs)
         outputs = state.last_outputs if outputs is None else outputs
         if inputs is None or outputs is None:
@@ -355,7 +336,7 @@ class TorchTwinkleModel(TwinkleModel):
 
     @trains
     def backward(self, *, loss: Any = None, adapter_name: str | None = None, **kwargs: Any) -> None:
-        state = self._state(adapter_name)
+        state = self.train_state(adapter_name)
         loss = state.last_loss if loss is None else loss
         if loss is None:
             raise ConfigError("backward needs a loss: call calculate_loss first or pass loss=")
@@ -376,48 +357,19 @@ class TorchTwinkleModel(TwinkleModel):
         return {**outputs, "loss": loss.mean.detach(), "num_tokens": loss.num_tokens, **loss.metrics}
 
     # ================================================================== optimisation
-    def _require_optimizer(self, state: TrainState, action: str) -> OptimizerHandle:
-        if state.handle is None:
-            who = f"adapter_name={state.name!r}" if state.name else "the model"
-            raise ConfigError(f"{action} needs an optimizer for {who}: call set_optimizer('AdamW', lr=...) first")
-        return state.handle
-
-    def _normalise_gradients(self, state: TrainState) -> None:
-        if state.gradients_normalised:
-            return
-        handle = self._require_optimizer(state, "step")
-        tokens = self.strategy.global_sum(torch.tensor(state.pending_tokens, dtype=torch.float64,
-                                                       device=self.device))
-        self.strategy.unscale_gradients(handle)
-        self.strategy.scale_gradients(self.wrapped, handle,
-                                      self.strategy.gradient_scale(float(tokens)) * state.loss_divisor)
-        state.gradients_normalised = True
-
     @trains
     def clip_grad_norm(self, max_grad_norm: float = 1.0, norm_type: float = 2.0, *,
                        adapter_name: str | None = None) -> float:
-        state = self._state(adapter_name)
-        self._normalise_gradients(state)
-        limit = math.inf if max_grad_norm is None else float(max_grad_norm)
-        norm = self.strategy.clip_grad_norm(self.wrapped, state.handle, limit, norm_type)
-        state.last_grad_norm = float(norm)
-        return state.last_grad_norm
+        state = self.train_state(adapter_name)
+        return state.clip_gradients(self.strategy, self.wrapped, self.device, max_grad_norm, norm_type)
 
     @trains
     def step(self, *, adapter_name: str | None = None) -> None:
-        state = self._state(adapter_name)
-        handle = self._require_optimizer(state, "step")
-        self._normalise_gradients(state)
-        if state.last_grad_norm is not None and not math.isfinite(state.last_grad_norm):
-            # A NaN/inf gradient would poison the weights: skip the update, keep training.
-            state.skipped_steps += 1
-        elif not self.strategy.optimizer_step(self.wrapped, handle):
-            state.skipped_steps += 1
-        state.step += 1
+        self.train_state(adapter_name).apply_optimizer(self.strategy, self.wrapped, self.device)
 
     @trains
     def zero_grad(self, *, adapter_name: str | None = None) -> None:
-        state = self._state(adapter_name)
+        state = self.train_state(adapter_name)
         if state.handle is not None:
             self.strategy.zero_grad(self.wrapped, state.handle)
         else:  # gradients back-propagated before any optimizer existed
@@ -427,14 +379,14 @@ class TorchTwinkleModel(TwinkleModel):
 
     @trains
     def lr_step(self, *, adapter_name: str | None = None) -> None:
-        state = self._state(adapter_name)
+        state = self.train_state(adapter_name)
         if state.scheduler is not None:
             state.scheduler.step()
 
     @trains
     def clip_grad_and_step(self, max_grad_norm: float | None = 1.0, norm_type: float = 2.0, *,
                            adapter_name: str | None = None) -> float | None:
-        state = self._state(adapter_name)
+        state = self.train_state(adapter_name)
         state.accumulated_calls += 1
         if state.accumulated_calls < state.gradient_accumulation_steps:
             return None
@@ -447,28 +399,13 @@ class TorchTwinkleModel(TwinkleModel):
 
     # ================================================================== configuration
     def set_loss(self, loss: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
-        state = self._state(adapter_name)
-        if isinstance(loss, str):
-            state.loss_spec = {"name": loss, **kwargs}
-            loss = get_plugins().load("loss", loss)
-        else:
-            state.loss_spec = {"name": getattr(loss, "name", None) or repr(loss), **kwargs}
-        if inspect.isclass(loss) and issubclass(loss, Loss):
-            loss = loss(**kwargs)
-        elif kwargs:
-            raise ConfigError(f"set_loss got options {sorted(kwargs)} with an instance or callable; "
-                              f"pass a loss name or class to configure it")
-        if not isinstance(loss, Loss) or not accepts_context(loss):
-            if not callable(loss):
-                raise ConfigError(f"cannot use {loss!r} as a loss: pass a registered name, a Loss class, "
-                                  f"an instance or a callable")
-            loss = CallableLoss(loss)  # also adapts losses written before ``context=`` existed
-        state.loss = loss
+        state = self.train_state(adapter_name)
+        state.loss, state.loss_spec = build_loss(loss, **kwargs)
 
     @trains
     def set_optimizer(self, optimizer: Any, *, adapter_name: str | None = None,
                       gradient_accumulation_steps: int = 1, **kwargs: Any) -> None:
-        state = self._state(adapter_name)
+        state = self.train_state(adapter_name)
         if gradient_accumulation_steps < 1:
             raise ConfigError("gradient_accumulation_steps must be >= 1")
         module = self.wrapped
@@ -482,116 +419,41 @@ class TorchTwinkleModel(TwinkleModel):
         state.handle = handle
         state.gradient_accumulation_steps = gradient_accumulation_steps
         state.optimizer_spec = {"name": optimizer if isinstance(optimizer, str) else type(handle.optimizer).__name__,
-                                **{k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, bool))}}
+                                **_plain_options(kwargs)}
 
     @trains
     def set_lr_scheduler(self, scheduler: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
-        state = self._state(adapter_name)
-        handle = self._require_optimizer(state, "set_lr_scheduler")
+        state = self.train_state(adapter_name)
+        handle = state.require_optimizer("set_lr_scheduler")
         state.scheduler = build_scheduler(scheduler, handle.optimizer, **kwargs)
         state.scheduler_spec = {"name": scheduler if isinstance(scheduler, str) else type(state.scheduler).__name__,
-                                **{k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, bool))}}
+                                **_plain_options(kwargs)}
 
-    @trains
-    def add_adapter_to_model(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
-        validate_name("adapter name", adapter_name)
-        if adapter_name in self._adapters:
-            raise ConfigError(f"adapter name {adapter_name!r} is already in use")
-        if hasattr(torch.nn.Module, adapter_name):  # PEFT keeps each adapter as a module attribute of that name
-            raise ConfigError(f"adapter name {adapter_name!r} is the name of a torch.nn.Module attribute, which "
-                              f"PEFT cannot use for an adapter; choose another (e.g. 'tenant_{adapter_name}')")
-        if self._wrapped is not None and self._wrapped is not self.module:
-            raise ConfigError("add adapters before the first forward or set_optimizer: the strategy has already "
-                              "wrapped the model")
-        self._parameter_cache.clear()
-        self.attach_adapter(adapter_name, config, **kwargs)
-        if self._wrapped is not None and self._wrapped is not self.module:
-            # the strategy's wrapping was the module itself (save() or get_state_dict() asked for it, nothing ran
-            # yet): it is redone around the module with its new adapter on first use
-            self._wrapped = None
-        self._adapters[adapter_name] = config
-        self._states[adapter_name] = self._new_state(adapter_name)
-
-    def remove_adapter(self, adapter_name: str) -> None:
-        self._resolve_name(adapter_name)
-        self.detach_adapter(adapter_name)
-        self._parameter_cache.clear()
-        del self._adapters[adapter_name]
-        del self._states[adapter_name]
-
-    # ================================================================== metrics
     def add_metric(self, metric: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
-        state = self._state(adapter_name)
-        if isinstance(metric, str):
-            metric = get_plugins().load("metric", metric)
-        if inspect.isclass(metric):
-            metric = metric(**kwargs)
-        if not isinstance(metric, Metric):
-            raise ConfigError(f"cannot use {metric!r} as a metric: pass a registered name, a Metric class or instance")
-        state.metrics.append(metric)
+        self.train_state(adapter_name).metrics.append(metric_totals.build_metric(metric, **kwargs))
 
     def calculate_metric(self, *, adapter_name: str | None = None, reset: bool = True) -> dict[str, float]:
-        state = self._state(adapter_name)
-        keys, values = [], []
-        for i, metric in enumerate(state.metrics):
-            for key, value in metric.totals().items():
-                keys.append((i, key))
-                values.append(value)
-        summed = self.strategy.global_sum(torch.tensor(values, dtype=torch.float64, device=self.device)).tolist()
-        per_metric: list[dict[str, float]] = [{} for _ in state.metrics]
-        for (i, key), value in zip(keys, summed):
-            per_metric[i][key] = value
-        result: dict[str, float] = {}
-        for metric, totals in zip(state.metrics, per_metric):
-            result.update(metric.compute(totals))
-            if reset:
-                metric.reset()
+        state = self.train_state(adapter_name)
+        result = metric_totals.aggregate(state.metrics, self.strategy.global_sum, self.device, reset=reset)
         if state.optimizer is not None:
-            result["lr"] = self._current_lr(state)
+            result["lr"] = float(state.optimizer.param_groups[0]["lr"])
         result["step"] = state.step
         return result
 
-    @staticmethod
-    def _current_lr(state: TrainState) -> float | None:
-        return float(state.optimizer.param_groups[0]["lr"]) if state.optimizer is not None else None
-
     def get_train_configs(self, *, adapter_name: str | None = None) -> dict[str, Any]:
         several = adapter_name is None and len(self._adapters) > 1
-        state = self._states[FULL_MODEL] if several else self._state(adapter_name)
-        return {
-            **self.describe(),
-            "adapter_name": state.name or None,
-            "adapter_config": self._adapters.get(state.name),
-            "adapters": sorted(self._adapters),
-            "strategy": self.strategy.describe(),
-            "precision": self.precision.name,
-            "accelerator": self.accelerator.name,
-            "optimizer": state.optimizer_spec or None,
-            "lr_scheduler": state.scheduler_spec or None,
-            "lr": self._current_lr(state),
-            "loss": state.loss_spec or None,
-            "gradient_accumulation_steps": state.gradient_accumulation_steps,
-            "metrics": [type(m).__name__ for m in state.metrics],
-            "dp_rank": self.strategy.dp_rank,
-            "dp_size": self.strategy.dp_size,
-            # partitioned (ZeRO-3) parameters report their full size as ds_numel
-            "trainable_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in self._parameters(state.name)),
-            **state.counters(),
-        }
+        state = self._states[FULL_MODEL] if several else self.train_state(adapter_name)
+        return describe_training(self, state, adapters=self._adapters, trainable=self._parameters(state.name))
 
     # ================================================================== state
     def frozen_copy(self) -> TorchTwinkleModel:
         return frozen.frozen_copy(self)
 
     def sibling(self, *, task: Any, **overrides: Any) -> TorchTwinkleModel:
-        kwargs = frozen.rebuild_arguments(self)
-        # its own precision object: a trainable model scales its own loss (fp16)
-        kwargs["precision"] = self.precision.name  # by name: a Precision instance may hold a loss scaler
-        kwargs.update(task=task, **overrides)
-        return type(self)(**kwargs)
+        return frozen.sibling(self, task=task, **overrides)
 
     def get_state_dict(self, *, adapter_name: str | None = None) -> dict[str, Any]:
-        name = self._resolve_name(adapter_name)
+        name = self.adapter_states.resolve(adapter_name)
         full = self.strategy.full_state_dict(self.wrapped)
         if name == FULL_MODEL:
             return full
@@ -602,78 +464,19 @@ class TorchTwinkleModel(TwinkleModel):
              extra_state: dict[str, Any] | None = None) -> str:
         if self.frozen and save_optimizer:
             raise frozen.refusal(self, "save(save_optimizer=True)")
-        state = self._state(adapter_name)
-        final = os.path.join(output_dir, validate_name("checkpoint name", name, allow_dots=True))
-        weights = self.get_state_dict(adapter_name=adapter_name)
-        is_main = self.strategy.is_main_process
-        with checkpoint.atomic_directory(final, is_main=is_main,
-                                         metadata={"adapter_name": state.name or None, "step": state.step}) as tmp:
-            if is_main:
-                self.write_weights(tmp, weights, state.name or None)
-                if self.task is not None:
-                    self.task.on_export(self, tmp, state.name or None)
-            if save_optimizer and state.optimizer is not None:
-                self._save_training_state(tmp, state, extra_state)
-                if self.task is not None:
-                    self.task.save_training_state(self, tmp)
-        return final
-
-    def _save_training_state(self, directory: str, state: TrainState, extra_state: dict[str, Any] | None) -> None:
-        from twinkle_core import distributed
-
-        state_dir = os.path.join(directory, checkpoint.STATE_DIR)
-        rank = distributed.rank()
-        if self.strategy.is_main_process:
-            os.makedirs(state_dir, exist_ok=True)
-        self.strategy.barrier()
-        self.strategy.save_optimizer_state(state_dir, self.wrapped, state.handle)
-        torch.save(checkpoint.capture_rng_state(), os.path.join(state_dir, f"rng-rank{rank}.pt"))
-        if self.strategy.is_main_process:
-            torch.save({
-                "counters": state.counters(),
-                "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
-                "precision": self.precision.state_dict(),
-                "extra_state": extra_state or {},
-                # ranks 0 .. rng_ranks-1 wrote rng-rank{R}.pt: resume can tell a deleted file from one never written
-                "rng_ranks": distributed.world_size(),
-                # JSON-safe (an adapter config becomes its repr) so the file loads with weights_only=True
-                "configs": json.loads(json.dumps(self.get_train_configs(adapter_name=state.name or None),
-                                                 default=str)),
-            }, os.path.join(state_dir, "trainer_state.pt"))
+        return checkpoint_io.save(self, self.train_state(adapter_name), name, output_dir=output_dir,
+                                  save_optimizer=save_optimizer, extra_state=extra_state)
 
     def load(self, path: str, *, adapter_name: str | None = None, **kwargs: Any) -> None:
-        name = self._resolve_name(adapter_name)
+        name = self.adapter_states.resolve(adapter_name)
         weights = self.read_weights(path, name or None)
         self.strategy.load_state_dict(self.wrapped, weights, strict=name == FULL_MODEL)
 
     @trains
     def resume_from_checkpoint(self, path: str, *, adapter_name: str | None = None) -> dict[str, Any]:
-        from twinkle_core import distributed
+        return checkpoint_io.resume(self, self.train_state(adapter_name), path)
 
-        if not checkpoint.is_complete(path):
-            raise FileNotFoundError(f"{path} is not a complete Twinkle checkpoint (no {checkpoint.MARKER})")
-        checkpoint.verify_on_main(path, self.strategy.is_main_process)
-        state = self._state(adapter_name)
-        handle = self._require_optimizer(state, "resume_from_checkpoint")
-        state_dir = os.path.join(path, checkpoint.STATE_DIR)
-        trainer = checkpoint.load_state_file(os.path.join(state_dir, "trainer_state.pt"))
-        rank = distributed.rank()
-        rng_path = os.path.join(state_dir, f"rng-rank{rank}.pt")
-        # older checkpoints lack rng_ranks: then any other rank's RNG file shows this one was written too
-        saved_rng = trainer.get("rng_ranks")
-        written = rank < saved_rng if saved_rng is not None else any(
-            n.startswith("rng-rank") for n in os.listdir(state_dir))
-        if written and not os.path.isfile(rng_path):
-            raise checkpoint.CheckpointError(f"checkpoint file {rng_path} is missing (it was written at save time)")
-        self.load(path, adapter_name=adapter_name)
-        self.strategy.load_optimizer_state(state_dir, self.wrapped, handle)
-        if trainer["scheduler"] is not None and state.scheduler is not None:
-            state.scheduler.load_state_dict(trainer["scheduler"])
-        self.precision.load_state_dict(trainer["precision"])
-        state.load_counters(trainer["counters"])
-        state.reset_accumulation()
-        if self.task is not None:
-            self.task.load_training_state(self, path)
-        if written:  # last: loading the task's state must not move the RNG streams of the resumed run
-            checkpoint.restore_rng_state(checkpoint.load_state_file(rng_path))
-        return trainer["extra_state"]
+
+def _plain_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options a spec records (JSON-safe scalars; objects such as parameter groups are left out)."""
+    return {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))}

@@ -23,12 +23,17 @@ key                             type                meaning
 ``trainable_parameters``        int                 the number of elements the optimizer updates
 ``step``                        int                 optimizer steps taken
 ==============================  ==================  ==========================================================
+
+A task reads them typed through :class:`TrainingSetup` (``TrainingSetup.of(model).loss.option("beta")``)
+rather than as nested dicts.
 """
 
 from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 #: ``class`` is a keyword, hence the functional form
@@ -105,3 +110,72 @@ def check_train_configs(configs: Any) -> list[str]:
         if configs[key] < 0:
             problems.append(f"{key!r} must be >= 0, got {configs[key]}")
     return problems
+
+
+def describe_training(model: Any, state: Any, *, adapters: Mapping[str, Any], trainable: list[Any]) -> dict[str, Any]:
+    """The :data:`TrainConfigs` of a torch model's ``state`` (a :class:`~twinkle_core.model.train_state.TrainState`):
+    ``model`` gives its ``describe()``, strategy, precision and accelerator; ``adapters`` maps each adapter to
+    its config; ``trainable`` are the parameters the state's optimizer updates."""
+    optimizer = state.optimizer
+    return {
+        **model.describe(),
+        "adapter_name": state.name or None,
+        "adapter_config": adapters.get(state.name),
+        "adapters": sorted(adapters),
+        "strategy": model.strategy.describe(),
+        "precision": model.precision.name,
+        "accelerator": model.accelerator.name,
+        "optimizer": state.optimizer_spec or None,
+        "lr_scheduler": state.scheduler_spec or None,
+        "lr": float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None,
+        "loss": state.loss_spec or None,
+        "gradient_accumulation_steps": state.gradient_accumulation_steps,
+        "metrics": [type(m).__name__ for m in state.metrics],
+        "dp_rank": model.strategy.dp_rank,
+        "dp_size": model.strategy.dp_size,
+        # partitioned (ZeRO-3) parameters report their full size as ds_numel
+        "trainable_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in trainable),
+        **state.counters(),
+    }
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The loss a model was set up with: its registered name (or class name) and the options it was built with."""
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def option(self, key: str, default: Any = None) -> Any:
+        """An option the loss was built with (``beta``, ``reference_free`` ...), or ``default``."""
+        value = self.options.get(key)
+        return default if value is None else value
+
+    @classmethod
+    def of(cls, spec: Mapping[str, Any] | None) -> LossSpec | None:
+        """From ``get_train_configs()["loss"]`` (``None`` before a loss is set)."""
+        if not spec:
+            return None
+        return cls(name=str(spec.get("name")), options={k: v for k, v in spec.items() if k != "name"})
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """A typed view of ``get_train_configs()`` for the values tasks decide by."""
+
+    adapters: tuple[str, ...] = ()
+    loss: LossSpec | None = None
+    step: int = 0
+    gradient_accumulation_steps: int = 1
+
+    @classmethod
+    def of(cls, model: Any, *, adapter_name: str | None = None) -> TrainingSetup:
+        """``model``'s set-up now (``adapter_name``: that adapter's); a stand-in without ``get_train_configs``
+        gives the defaults (no adapter, no loss, step 0)."""
+        get = getattr(model, "get_train_configs", None)
+        if not callable(get):
+            return cls()
+        configs = get(adapter_name=adapter_name) if adapter_name is not None else get()
+        return cls(adapters=tuple(configs.get("adapters") or ()), loss=LossSpec.of(configs.get("loss")),
+                   step=int(configs.get("step") or 0),
+                   gradient_accumulation_steps=int(configs.get("gradient_accumulation_steps") or 1))

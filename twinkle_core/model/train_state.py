@@ -10,7 +10,7 @@ itself (Megatron's pipeline) calls the same three methods::
 
     state.open_window(local_tokens, strategy)           # once, before the window's first backward
     result = state.apply_loss(outputs, inputs, context)  # loss + type check + metrics
-    backward(precision.scale_loss(state.scale_for_backward(result.loss)))
+    backward(strategy.scale_loss(state.scale_for_backward(result.loss)))
     state.record_backward(result.num_tokens)
 """
 
@@ -94,6 +94,49 @@ class TrainState:
         self.pending_tokens += float(tokens)
         self.gradients_normalised = False
         self.last_inputs = self.last_outputs = None  # free the graph's inputs early
+
+    def require_optimizer(self, action: str) -> Any:
+        """The optimizer handle, or a ``ConfigError`` saying that ``action`` needs ``set_optimizer`` first."""
+        if self.handle is None:
+            who = f"adapter_name={self.name!r}" if self.name else "the model"
+            raise ConfigError(f"{action} needs an optimizer for {who}: call set_optimizer('AdamW', lr=...) first")
+        return self.handle
+
+    def normalise_gradients(self, strategy: Any, module: Any, device: Any = None) -> None:
+        """Once per window, before clipping or stepping: unscale (fp16) and bring the window's gradients to
+        the mean over its global token count (collective over the data-parallel ranks)."""
+        if self.gradients_normalised:
+            return
+        import torch
+
+        handle = self.require_optimizer("step")
+        tokens = strategy.global_sum(torch.tensor(self.pending_tokens, dtype=torch.float64, device=device))
+        strategy.unscale_gradients(handle)
+        strategy.scale_gradients(module, handle, strategy.gradient_scale(float(tokens)) * self.loss_divisor)
+        self.gradients_normalised = True
+
+    def clip_gradients(self, strategy: Any, module: Any, device: Any, max_norm: float | None,
+                       norm_type: float) -> float:
+        """Normalise the window's gradients and clip them to ``max_norm`` (``None``: no limit); return the norm
+        before clipping (also kept as ``last_grad_norm``, which decides whether the step is skipped)."""
+        import math
+
+        self.normalise_gradients(strategy, module, device)
+        limit = math.inf if max_norm is None else float(max_norm)
+        self.last_grad_norm = float(strategy.clip_grad_norm(module, self.handle, limit, norm_type))
+        return self.last_grad_norm
+
+    def apply_optimizer(self, strategy: Any, module: Any, device: Any) -> None:
+        """One optimizer step; a non-finite gradient norm (or a strategy's overflow) skips the update."""
+        import math
+
+        handle = self.require_optimizer("step")
+        self.normalise_gradients(strategy, module, device)
+        if self.last_grad_norm is not None and not math.isfinite(self.last_grad_norm):
+            self.skipped_steps += 1  # a NaN/inf gradient would poison the weights: skip the update, keep training
+        elif not strategy.optimizer_step(module, handle):
+            self.skipped_steps += 1
+        self.step += 1
 
     def reset_accumulation(self) -> None:
         self.backward_calls = 0

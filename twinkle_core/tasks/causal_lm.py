@@ -35,7 +35,7 @@ from twinkle_core.data.formats import IGNORE_INDEX, InputFeature, RowError, Traj
 from twinkle_core.data.loading import validate_row
 from twinkle_core.data.mixing import Record, is_data_spec, load_spec
 from twinkle_core.data.packing import pack_features
-from twinkle_core.data.template import Template
+from twinkle_core.data.template import TRUNCATION_SIDES, Template
 from twinkle_core.errors import ConfigError, DataFormatError
 from twinkle_core.task import Task
 
@@ -158,6 +158,19 @@ class CausalLMTask(Task):
         super().__init__(**options)
         self.pad_token_id: int | None = None
         self.template: Template | None = None
+
+    @classmethod
+    def check_recipe(cls, recipe: Any) -> list[str]:
+        """``data.mode`` and the truncation side (``data.options`` or ``task_options``) are ones the template knows."""
+        problems = []
+        if recipe.data.mode not in (None, "chat", "pretrain"):
+            problems.append(f"data.mode: must be 'chat' or 'pretrain', got {recipe.data.mode!r}")
+        for where, options in (("data.options", recipe.data.options), ("task_options", recipe.task_options)):
+            side = options.get("truncation")
+            if side not in (None, *TRUNCATION_SIDES):
+                problems.append(f"{where}.truncation: must be one of {', '.join(map(repr, TRUNCATION_SIDES))}, "
+                                f"got {side!r}")
+        return problems
 
     def _option(self, value: Any, key: str, default: Any) -> Any:
         return value if value is not None else self.options.get(key, default)

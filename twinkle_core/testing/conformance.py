@@ -5,9 +5,11 @@ Run it against a registered target::
     pytest --pyargs twinkle_core.testing.conformance --twinkle-backend hf
     torchrun --nproc-per-node 2 -m pytest --pyargs twinkle_core.testing.conformance --twinkle-backend hf-ddp
 
-or subclass :class:`ModelContract` in a backend's tests and override the ``twinkle_factory`` fixture.
+or subclass :class:`ModelContract` and :class:`~twinkle_core.testing.conformance_tasks.TaskContract` (the task
+side: one test per model kind) in a backend's tests and override the ``twinkle_factory`` fixture.
 
-A factory is ``factory(*, seed: int = 0, **options) -> TwinkleModel`` building a tiny causal LM
+A factory is ``factory(*, seed: int = 0, **options) -> TwinkleModel`` (``task=`` among the options) building a
+tiny causal LM
 whose vocabulary has :data:`CONFORMANCE_VOCAB_SIZE` tokens, whose reductions sum at most
 :data:`CONFORMANCE_MAX_WIDTH` terms over at most :data:`CONFORMANCE_MAX_DEPTH` layers (the bounds of the
 float tolerance of forward comparisons), and that accepts the LoRA adapter config :data:`LORA_CONFIG`
@@ -24,52 +26,24 @@ from typing import Any
 
 import pytest
 
+from twinkle_core.testing.conformance_data import (
+    CONFORMANCE_MAX_DEPTH,
+    CONFORMANCE_MAX_WIDTH,
+    CONFORMANCE_VOCAB_SIZE,
+    LORA_CONFIG,
+    assert_state_equal,
+    forward_tolerance_of,
+    local_rows,
+    make_batch,
+    rows,
+    snapshot,
+)
 from twinkle_core.testing.conformance_generation import GenerationContract
+from twinkle_core.testing.conformance_tasks import TaskContract
 
-CONFORMANCE_VOCAB_SIZE = 64
-LORA_CONFIG: dict[str, Any] = {"type": "lora", "r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
-CONFORMANCE_MAX_WIDTH = 128
-CONFORMANCE_MAX_DEPTH = 4
-
-
-def make_batch(seed: int, rows: int = 8, length: int = 12, vocab: int = CONFORMANCE_VOCAB_SIZE) -> dict[str, Any]:
-    """Random token rows whose labels mask a prompt of varying length (so token counts differ per row)."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab, (rows, length), generator=g)
-    labels = input_ids.clone()
-    prompt = torch.randint(1, length - 2, (rows,), generator=g)
-    for i in range(rows):
-        labels[i, : int(prompt[i])] = -100
-    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
-
-
-def rows(batch: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
-    return {k: v[start:stop] for k, v in batch.items()}
-
-
-def local_rows(model: Any, batch: dict[str, Any]) -> dict[str, Any]:
-    """This data-parallel rank's share of a global batch."""
-    cfg = model.get_train_configs()
-    n = batch["input_ids"].shape[0] // cfg["dp_size"]
-    return rows(batch, cfg["dp_rank"] * n, (cfg["dp_rank"] + 1) * n)
-
-
-def assert_state_equal(a: dict[str, Any], b: dict[str, Any], atol: float = 0.0) -> None:
-    import torch
-
-    assert a.keys() == b.keys()
-    for key in a:
-        if atol == 0.0:
-            assert torch.equal(a[key].cpu(), b[key].cpu()), key
-        else:
-            torch.testing.assert_close(a[key].cpu(), b[key].cpu(), atol=atol, rtol=0, msg=key)
-
-
-def snapshot(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.detach().cpu().clone() for k, v in state.items()}
-
+__all__ = ["CONFORMANCE_MAX_DEPTH", "CONFORMANCE_MAX_WIDTH", "CONFORMANCE_VOCAB_SIZE", "LORA_CONFIG", "ModelContract",
+           "TaskContract", "TestModelContract", "TestTaskContract", "assert_state_equal", "local_rows", "make_batch",
+           "rows", "snapshot"]
 
 class ModelContract(GenerationContract):
     """The contract tests. Needs a ``twinkle_factory`` fixture and a ``twinkle_shared_dir`` fixture.
@@ -451,7 +425,7 @@ class ModelContract(GenerationContract):
         base = base_model.forward_only(inputs=batch)["logits"].float()
         plain = base_model.forward_only(inputs=batch, disable_adapters=True)["logits"].float()
         torch.testing.assert_close(plain, base, atol=0, rtol=0, msg="without adapters the flag changes nothing")
-        tolerance = _forward_tolerance(base)
+        tolerance = forward_tolerance_of(base)
         adapted = model.forward_only(inputs=batch, adapter_name="policy")["logits"].float()
         assert max_abs_diff(adapted, base) > 100 * tolerance, "the adapter (B != 0) must change the logits"
         disabled = model.forward_only(inputs=batch, adapter_name="policy", disable_adapters=True)["logits"]
@@ -492,7 +466,7 @@ class ModelContract(GenerationContract):
         want = policy.forward_only(inputs=batch)["logits"].float()
         got = reference.forward_only(inputs=batch)["logits"]
         assert not got.requires_grad
-        assert max_abs_diff(got.float(), want) <= _forward_tolerance(want)
+        assert max_abs_diff(got.float(), want) <= forward_tolerance_of(want)
         assert_state_equal(snapshot(reference.get_state_dict()), snapshot(policy.get_state_dict()))
         assert reference.trainable_parameters() == [], "a frozen copy has no parameter that requires a gradient"
         configs, policy_configs = reference.get_train_configs(), policy.get_train_configs()
@@ -518,13 +492,6 @@ class ModelContract(GenerationContract):
         model = twinkle_factory(seed=0)
         with pytest.raises(Exception, match="no adapter named 'missing'"):
             model.forward(inputs=make_batch(0), adapter_name="missing")
-
-
-def _forward_tolerance(logits: Any) -> float:
-    """Two code paths of one forward with the same weights (see :mod:`twinkle_core.testing.tolerance`)."""
-    from twinkle_core.testing.tolerance import forward_tolerance
-
-    return forward_tolerance(float(logits.abs().max()), width=CONFORMANCE_MAX_WIDTH, depth=CONFORMANCE_MAX_DEPTH)
 
 
 def _FailingTask() -> Any:
@@ -556,4 +523,8 @@ def _distance(a: dict[str, Any], b: dict[str, Any]) -> float:
 
 
 class TestModelContract(ModelContract):
+    """Collected when the suite runs with ``--pyargs twinkle_core.testing.conformance``."""
+
+
+class TestTaskContract(TaskContract):
     """Collected when the suite runs with ``--pyargs twinkle_core.testing.conformance``."""

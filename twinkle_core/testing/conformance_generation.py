@@ -6,8 +6,7 @@ or a ``ModelContract`` subclass) runs these too. Both seams are optional: a mode
 network to an in-process sampler, or cannot build a sibling, raises ``ConfigError`` and passes; one that does
 either must do it right.
 
-The helpers of :mod:`twinkle_core.testing.conformance` are imported inside the tests because that module
-imports this one (to inherit the tests).
+The helpers come from :mod:`twinkle_core.testing.conformance_data`, which every suite module shares.
 """
 
 from __future__ import annotations
@@ -15,6 +14,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from typing import Any
+
+from twinkle_core.testing.conformance_data import (
+    LORA_CONFIG,
+    assert_state_equal,
+    forward_tolerance_of,
+    local_rows,
+    make_batch,
+    snapshot,
+)
 
 #: prompt tokens fed at once (the prefill); the remaining tokens of a row are fed one at a time through the cache
 PREFILL_TOKENS = 5
@@ -100,7 +108,6 @@ class GenerationContract:
         """The lent network, prefilled and then fed one token at a time through its KV cache, gives the logits
         ``forward_only`` gives at the same positions (fp32: two code paths of one forward), without gradients,
         in evaluation mode inside and in the model's own mode again outside."""
-        from twinkle_core.testing.conformance import _forward_tolerance, local_rows, make_batch
         from twinkle_core.testing.tolerance import max_abs_diff
 
         model = twinkle_factory(seed=0)
@@ -119,7 +126,7 @@ class GenerationContract:
             assert not got.requires_grad, "the lent network must run without gradients"
             assert isinstance(gen.lockstep, bool)
         assert tuple(got.shape) == tuple(want.shape)
-        tolerance = _forward_tolerance(want)
+        tolerance = forward_tolerance_of(want)
         assert max_abs_diff(got.cpu(), want.cpu()) <= tolerance, (
             f"cached decoding differs from forward_only: {max_abs_diff(got.cpu(), want.cpu()):.3g} > {tolerance:.3g}")
         assert all(_training_flags(module)), "training mode must come back when the sampler is done"
@@ -147,7 +154,6 @@ class GenerationContract:
     def test_generation_module_applies_the_adapter(self, twinkle_factory):
         """With ``adapter_name``, the lent network runs that adapter (B != 0 changes the logits), and after
         the sampler is done the model's forwards are as before."""
-        from twinkle_core.testing.conformance import LORA_CONFIG, _forward_tolerance, local_rows, make_batch
         from twinkle_core.testing.tolerance import max_abs_diff
 
         model = twinkle_factory(seed=0)
@@ -155,7 +161,7 @@ class GenerationContract:
         batch = local_rows(model, make_batch(42, rows=8, length=8))
         adapted = model.forward_only(inputs=batch, adapter_name="policy")["logits"].float()
         base = model.forward_only(inputs=batch, adapter_name="policy", disable_adapters=True)["logits"].float()
-        tolerance = _forward_tolerance(adapted)
+        tolerance = forward_tolerance_of(adapted)
         assert max_abs_diff(adapted, base) > 100 * tolerance, "the adapter (B != 0) must change the logits"
         with _lent_module(model, adapter_name="policy") as gen:
             if gen is None:
@@ -176,7 +182,6 @@ class GenerationContract:
         import torch
 
         from twinkle_core.errors import ConfigError
-        from twinkle_core.testing.conformance import assert_state_equal, local_rows, make_batch, snapshot
 
         original = twinkle_factory(seed=0)
         untrained = snapshot(original.get_state_dict())

@@ -21,7 +21,7 @@ from torch import nn
 from twinkle_core.errors import ConfigError
 from twinkle_core.model.base import TwinkleModel
 from twinkle_core.model.torch_model import TorchTwinkleModel
-from twinkle_core.testing.conformance import CONFORMANCE_VOCAB_SIZE
+from twinkle_core.testing.conformance_data import CONFORMANCE_VOCAB_SIZE
 
 
 class LoRALinear(nn.Module):
@@ -110,6 +110,7 @@ class ReferenceModel(TorchTwinkleModel):
     """``TwinkleModel`` over :class:`TinyCausalLM`; adapters are :class:`LoRALinear` layers."""
 
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
+    supported_model_kinds = ("causal_lm",)  # TinyCausalLM has an LM head only
 
     def generation_module(self, *, adapter_name: str | None = None) -> Any:
         # TinyCausalLM keeps no KV cache, so it cannot serve an in-process sampler (the contract allows refusing)
@@ -145,7 +146,7 @@ class ReferenceModel(TorchTwinkleModel):
         for _, layer in self._lora_layers():
             layer.add(adapter_name, int(config.get("r", 4)), float(config.get("lora_alpha", 8)),
                       init_b=config.get("init_lora_weights", True) is False)
-        if not self._adapters:  # first adapter: the base becomes frozen
+        if not self.adapter_states.configs:  # first adapter: the base becomes frozen
             for name, p in self.module.named_parameters():
                 p.requires_grad_(".lora_" in name)
         self.module.to(self.device)
@@ -181,7 +182,7 @@ class ReferenceModel(TorchTwinkleModel):
         save_file({k: v.detach().cpu().contiguous() for k, v in state_dict.items()},
                   os.path.join(directory, filename))
         with open(os.path.join(directory, "config.json"), "w") as fh:
-            json.dump({"model": self.module.config, "adapter": self._adapters.get(adapter_name or "")}, fh)
+            json.dump({"model": self.module.config, "adapter": self.adapter_states.configs.get(adapter_name or "")}, fh)
 
     def read_weights(self, directory: str, adapter_name: str | None) -> dict[str, torch.Tensor]:
         return self._read_safetensors(directory, "adapter.safetensors" if adapter_name else "model.safetensors")

@@ -53,6 +53,18 @@ class Tracker(ABC):
     def __init__(self, **options: Any) -> None:
         self.options = options
 
+    def init_options(self, run_name: str, *, project_env: str, dir_key: str, dir_env: str,
+                     default_dir: str) -> dict[str, Any]:
+        """The options given (``None`` dropped) completed the way the hosted trackers agree on: the run is named
+        after the output directory, the project defaults to ``$project_env`` or ``twinkle``, and the local files go
+        to ``default_dir`` unless the option ``dir_key`` or the library's own ``$dir_env`` says otherwise."""
+        kwargs = {key: value for key, value in self.options.items() if value is not None}
+        kwargs.setdefault("name", run_name)
+        kwargs.setdefault("project", os.environ.get(project_env) or "twinkle")
+        if dir_key not in kwargs and not os.environ.get(dir_env):
+            kwargs[dir_key] = default_dir
+        return kwargs
+
     @abstractmethod
     def start(self, run_config: dict[str, Any], output_dir: str | os.PathLike[str], run_name: str) -> None:
         """Open the run; ``run_config`` is the recipe as a dict (log it as the run's params/config)."""

@@ -32,11 +32,8 @@ class SwanLabTracker(Tracker):
     def start(self, run_config: dict[str, Any], output_dir: str | os.PathLike[str], run_name: str) -> None:
         import swanlab
 
-        kwargs = {key: value for key, value in self.options.items() if value is not None}
-        kwargs.setdefault("name", run_name)
-        kwargs.setdefault("project", os.environ.get("SWANLAB_PROJ_NAME") or "twinkle")
-        if "log_dir" not in kwargs and not os.environ.get("SWANLAB_LOG_DIR"):
-            kwargs["log_dir"] = str(Path(output_dir) / "swanlog")
+        kwargs = self.init_options(run_name, project_env="SWANLAB_PROJ_NAME", dir_key="log_dir",
+                                   dir_env="SWANLAB_LOG_DIR", default_dir=str(Path(output_dir) / "swanlog"))
         self.run = swanlab.init(config=run_config, **{**kwargs, **self.init_kwargs})
 
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -26,11 +26,8 @@ class WandbTracker(Tracker):
     def start(self, run_config: dict[str, Any], output_dir: str | os.PathLike[str], run_name: str) -> None:
         import wandb
 
-        kwargs = {key: value for key, value in self.options.items() if value is not None}
-        kwargs.setdefault("name", run_name)
-        kwargs.setdefault("project", os.environ.get("WANDB_PROJECT") or "twinkle")
-        if "dir" not in kwargs and not os.environ.get("WANDB_DIR"):
-            kwargs["dir"] = str(output_dir)
+        kwargs = self.init_options(run_name, project_env="WANDB_PROJECT", dir_key="dir", dir_env="WANDB_DIR",
+                                   default_dir=str(output_dir))
         self.run = wandb.init(config=run_config, **{**kwargs, **self.init_kwargs})
 
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from twinkle_core.train.guards import IGNORE_INDEX
 
 
-def _loss_and_tokens(result: Any) -> tuple[float, float]:
+def loss_and_tokens(result: Any) -> tuple[float, float]:
     """``(summed loss, tokens)`` from a ``LossOutput``, an outputs mapping or a bare (mean) tensor."""
     if isinstance(result, dict):
         loss, tokens = result.get("loss"), result.get("num_tokens", 1)
@@ -28,7 +28,8 @@ def _loss_and_tokens(result: Any) -> tuple[float, float]:
     return (loss_f * tokens_f if mean else loss_f), tokens_f
 
 
-def _batch_tokens(batch: Any) -> float:
+def batch_tokens(batch: Any) -> float:
+    """The input tokens of ``batch``: its attention mask's ones, else the size of ``input_ids`` (0 without either)."""
     if not isinstance(batch, dict):
         return 0.0
     mask = batch.get("attention_mask")
@@ -40,7 +41,7 @@ def _batch_tokens(batch: Any) -> float:
     return 0.0
 
 
-def _label_tokens(batch: Any) -> float | None:
+def label_tokens(batch: Any) -> float | None:
     """How many labels of ``batch`` are not ``IGNORE_INDEX``; None when it has no label tensor."""
     labels = batch.get("labels") if isinstance(batch, dict) else None
     if labels is None or not hasattr(labels, "ne"):
@@ -48,7 +49,7 @@ def _label_tokens(batch: Any) -> float | None:
     return float(labels.ne(IGNORE_INDEX).sum())
 
 
-def _is_finite(value: Any) -> bool:
+def is_finite(value: Any) -> bool:
     """None (a model that reports no gradient norm) counts as finite."""
     return value is None or math.isfinite(float(value))
 

@@ -41,7 +41,7 @@ logger = logging.getLogger("twinkle.train")
 LOG_FILE = "logs.jsonl"
 
 
-def _plain(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """A JSON-safe scalar (tensors and numpy numbers become floats; NaN/inf become null)."""
     if hasattr(value, "item") and callable(value.item):
         try:
@@ -53,9 +53,9 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [json_safe(v) for v in value]
     return str(value)
 
 
@@ -82,7 +82,7 @@ class TrainLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if report_to is None and tensorboard is not None:
             report_to = ["tensorboard"] if tensorboard and self._tensorboard_installed() else []
-        self.trackers = open_trackers(report_to, tracker_options, run_config=_plain(run_config or {}),
+        self.trackers = open_trackers(report_to, tracker_options, run_config=json_safe(run_config or {}),
                                       output_dir=output_dir, run_name=run_name)
         self._file = open(self.path, "a", encoding="utf-8")
 
@@ -105,7 +105,7 @@ class TrainLogger:
         return True
 
     def log(self, event: str, step: int, values: dict[str, Any]) -> dict[str, Any]:
-        record = {"event": event, "step": int(step), **{k: _plain(v) for k, v in values.items()},
+        record = {"event": event, "step": int(step), **{k: json_safe(v) for k, v in values.items()},
                   "time": round(time.time(), 3)}
         if not self.enabled or self._file is None:
             return record

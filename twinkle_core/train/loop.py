@@ -51,42 +51,47 @@ The constructor sets the strategy up (which joins the ``torch.distributed`` proc
 torchrun). Right after construction, before any adapter is added, the loop calls
 ``task.prepare_model(model)`` (backends do not call it themselves). Models
 that know their data-parallel coordinates with model parallelism expose them as
-``model.strategy.dp_rank`` / ``model.strategy.dp_size``; otherwise every rank of the process
-group is a data-parallel rank. The logs read the learning rate from ``get_train_configs()["lr"]`` (see
-:mod:`twinkle_core.model.train_configs`).
+``model.data_parallel`` (:class:`~twinkle_core.model.data_parallel.DataParallelView`; a
+``TorchTwinkleModel`` reads its strategy's); by default every rank of the process group is a data-parallel
+rank. The logs read the learning rate from ``get_train_configs()["lr"]`` (see
+:mod:`twinkle_core.model.train_configs`). Without ``loss.name`` the loss is the task's default
+(:func:`twinkle_core.task.default_loss_name`).
 
 With ``model.adapter`` set, the loop calls ``add_adapter_to_model("default", adapter)`` and passes
 ``adapter_name="default"`` to every later call.
 
 Where the parts live
 --------------------
-:class:`Trainer` is assembled from single-purpose mixins: building the components from the recipe
-(:mod:`twinkle_core.train.build`), checkpoint saving and resuming (:mod:`twinkle_core.train.checkpointing`),
-evaluation (:mod:`twinkle_core.train.evaluation`) and the per-step reporting
-(:mod:`twinkle_core.train.step_log`). This module keeps the step loop itself and :func:`train`.
+:func:`twinkle_core.train.build.build_run` builds everything from the recipe and returns a
+:class:`~twinkle_core.train.build.TrainingRun` (task, tokenizer, datasets, model, loader, data-parallel view,
+step totals). :class:`Trainer` hands that value to the objects that work on it: a
+:class:`~twinkle_core.train.checkpointing.Checkpointer` (saving, resuming), an
+:class:`~twinkle_core.train.evaluation.Evaluator` and a :class:`~twinkle_core.train.step_log.StepReporter` (log
+lines, trackers, progress bar), and reads its micro-batches from a
+:class:`~twinkle_core.train.batches.BatchStream`. This module keeps the step loop itself, as named phases, and
+:func:`train`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import signal
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from twinkle_core import distributed
 from twinkle_core.errors import ConfigError
-from twinkle_core.train import resharding  # noqa: F401
-from twinkle_core.train.batch_stats import _batch_tokens, _is_finite, _label_tokens, _loss_and_tokens
-from twinkle_core.train.build import (  # noqa: F401 - seed_everything: resharding.reseed imports it from here
-    ADAPTER_NAME,
-    BuildMixin,
-    seed_everything,
-)
-from twinkle_core.train.checkpointing import CheckpointMixin
-from twinkle_core.train.evaluation import EvaluationMixin
+from twinkle_core.train.batch_stats import batch_tokens, is_finite, label_tokens, loss_and_tokens
+from twinkle_core.train.batches import BatchStream
+from twinkle_core.train.build import ADAPTER_NAME, TrainingRun, build_run
+from twinkle_core.train.checkpointing import Checkpointer
+from twinkle_core.train.curves import write_curves
+from twinkle_core.train.evaluation import Evaluator
 from twinkle_core.train.guards import (  # noqa: F401 - MAX_NONFINITE_STEPS, LABEL_CHECK_STEPS: documented here
     IGNORE_INDEX,
     LABEL_CHECK_STEPS,
@@ -96,17 +101,28 @@ from twinkle_core.train.guards import (  # noqa: F401 - MAX_NONFINITE_STEPS, LAB
     TrainingDivergedError,
     bar_friendly_logging,
 )
-from twinkle_core.train.logging import StartupTimer, TrainLogger, take_startup_timer
-from twinkle_core.train.progress import progress_bar, progress_enabled
+from twinkle_core.train.logging import StartupTimer, json_safe, take_startup_timer
 from twinkle_core.train.recipe import Recipe, load_recipe, recipe_from_dict, recipe_to_dict
-from twinkle_core.train.step_log import StepLogMixin
+from twinkle_core.train.seeding import seed_everything  # noqa: F401 - part of this module's public names
+from twinkle_core.train.step_log import StepReporter, StepWindow, startup_report
 
 logger = logging.getLogger("twinkle.train")
 
 
+@dataclass
+class RunOutcome:
+    """What a run reports besides its counters: the last training log line, the evaluations and the final model."""
+
+    train_metrics: dict[str, Any] = field(default_factory=dict)
+    eval_before: dict[str, float] | None = None
+    eval_after: dict[str, float] | None = None
+    final_checkpoint: str | None = None
+
+
 # ---------------------------------------------------------------------- trainer
-class Trainer(BuildMixin, CheckpointMixin, EvaluationMixin, StepLogMixin):
-    """One training run. ``Trainer(recipe).run()`` is what :func:`train` does."""
+class Trainer:
+    """One training run. ``Trainer(recipe).run()`` is what :func:`train` does; :meth:`build` alone builds the
+    run's parts (:attr:`plan`) without training."""
 
     def __init__(self, recipe: Recipe, *, resume: str | None = None, resume_weights_only: str | None = None) -> None:
         self.recipe = recipe
@@ -119,37 +135,47 @@ class Trainer(BuildMixin, CheckpointMixin, EvaluationMixin, StepLogMixin):
         self.output_dir = Path(recipe.train.output_dir)
         self.adapter_name: str | None = ADAPTER_NAME if recipe.model.adapter else None
         self.step = 0
-        self.epoch = 0
-        self.total_steps = 0
-        self.loader: Any = None
-        self._iter: Any = None
-        self._empty_epochs = 0
-        self._boundary: dict[str, Any] = {}
-        self._last_saved_step = -1
+        self.is_main = False  # known once the model joined the process group
         self.guard = StepGuard(str(recipe.data.train))
-        self.checkpoints: list[str] = []
-        self.model: Any = None
+        #: what the run trains with, once :meth:`build` made it
+        self.plan: TrainingRun | None = None
+        self.stream: BatchStream | None = None
+        self.checkpointer: Checkpointer | None = None
+        self.evaluator: Evaluator | None = None
         #: where the time before the first optimizer step went (``summary["startup"]``)
         self.startup_timer: StartupTimer = take_startup_timer()
         self.startup: dict[str, Any] | None = None
 
-    # ------------------------------------------------------------------ data
-    def _next_batch(self) -> Any:
-        while True:
-            if self._iter is None:
-                self._iter = iter(self.loader)
-            try:
-                batch = next(self._iter)
-            except StopIteration:
-                self._iter = None
-                self._empty_epochs += 1
-                if self._empty_epochs > 2:
-                    raise ConfigError("the training data loader yields no batches") from None
-                self.epoch += 1
-                self.loader.set_epoch(self.epoch)
-                continue
-            self._empty_epochs = 0
-            return batch
+    # ------------------------------------------------------------------ the built run
+    @property
+    def model(self) -> Any:
+        return self.plan.model if self.plan is not None else None
+
+    @property
+    def task(self) -> Any:
+        return self.plan.task if self.plan is not None else None
+
+    @property
+    def dp_rank(self) -> int | None:
+        return self.plan.data_parallel.rank if self.plan is not None else None
+
+    @property
+    def dp_size(self) -> int | None:
+        return self.plan.data_parallel.size if self.plan is not None else None
+
+    @property
+    def total_steps(self) -> int:
+        return self.plan.total_steps if self.plan is not None else 0
+
+    @property
+    def epoch(self) -> int:
+        return self.stream.epoch if self.stream is not None else 0
+
+    def build(self) -> TrainingRun:
+        """Build the task, tokenizer, datasets, model and loader of the recipe (:func:`build_run`)."""
+        self.plan = build_run(self.recipe, output_dir=self.output_dir, adapter_name=self.adapter_name,
+                              timer=self.startup_timer)
+        return self.plan
 
     # ------------------------------------------------------------------ collectives
     @staticmethod
@@ -166,137 +192,168 @@ class Trainer(BuildMixin, CheckpointMixin, EvaluationMixin, StepLogMixin):
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
         started = time.time()
-        r, t = self.recipe, self.recipe.train
+        resumed_from = self._start()
+        reporter = self._open_reporter(started)
+        stop = StopSignals()
+        outcome = RunOutcome()
         try:
-            self.build()
+            with stop, bar_friendly_logging(reporter.show_bar):
+                self._train(reporter, stop, outcome)
+        except BaseException as exc:
+            reported_as = self._stopped(exc, reporter, stop)
+            if reported_as is not None:
+                raise reported_as from exc
+            raise
+        finally:
+            reporter.close()
+            self.plan.task.close()
+        summary = self._summary(outcome, resumed_from, started)
+        if self.is_main:
+            self._write_summary(summary)
+        return summary
+
+    def _start(self) -> str | None:
+        """Build the run, write its recipe and resume its checkpoint; the checkpoint resumed from, if any."""
+        run = self.build()  # closes the task itself when building fails
+        try:
             with self.startup_timer.phase("setup"):
                 self.is_main = distributed.is_main_process()
                 if self.is_main:
-                    self.output_dir.mkdir(parents=True, exist_ok=True)
                     import yaml
 
-                    (self.output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(r), sort_keys=False))
-                resumed_from = self._resume()
-                self._mark_boundary()
+                    self.output_dir.mkdir(parents=True, exist_ok=True)
+                    (self.output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(self.recipe),
+                                                                                sort_keys=False))
+                self.checkpointer = Checkpointer(run, is_main=self.is_main, resume=self.resume_spec,
+                                                 weights_only=self.weights_only_spec)
+                resumed = self.checkpointer.resume()
+                self.step = resumed.step if resumed is not None else 0
+                self.stream = BatchStream(run.loader, epoch=resumed.epoch if resumed is not None else 0)
+                self.evaluator = Evaluator(run, self._global_sum)
+                self.checkpointer.mark_boundary(self.step, self.stream.epoch)
         except BaseException:
-            if getattr(self, "task", None) is not None:
-                self.task.close()  # what the task started (a PPO critic, sampler threads) also goes on a failed start
+            run.task.close()  # what the task started (a PPO critic, sampler threads) also goes on a failed start
             raise
+        return resumed.path if resumed is not None else None
 
-        model, name = self.model, self.adapter_name
-        ga = t.gradient_accumulation_steps
-        eval_enabled = self.eval_dataset is not None or t.evaluate_options is not None
-        show_bar = progress_enabled(self.is_main)
+    def _open_reporter(self, started: float) -> StepReporter:
+        run = self.plan
         with self.startup_timer.phase("setup"):
             try:  # starts the recipe's trackers (train.report_to): one that cannot start stops the run here
-                log = TrainLogger.for_recipe(r, enabled=self.is_main)
+                reporter = StepReporter(run, step=self.step, is_main=self.is_main, started=started)
             except BaseException:
-                self.task.close()
+                run.task.close()
                 raise
-            bar = progress_bar(self.total_steps, self.step, enabled=show_bar)
         if self.is_main:
             logger.info("training %d optimizer steps (%s micro-batches per epoch per rank, %d accumulated per step)"
-                        " from step %d; output in %s", self.total_steps, self.micro_batches_per_epoch, ga,
-                        self.step, self.output_dir)
-        eval_before = eval_after = None
-        train_metrics: dict[str, Any] = {}
-        final_path = None
-        window = self._new_window()
-        stop = StopSignals()
-        try:
-            with stop, bar_friendly_logging(show_bar):
-                if t.eval_before_training and eval_enabled and self.step == 0:
-                    with self.startup_timer.phase("eval_before"):
-                        eval_before = self.evaluate()
-                        log.log("eval", self.step, eval_before)
-                window = self._new_window()
-                first_step = time.perf_counter(), time.process_time()
-                while self.step < self.total_steps:
-                    step_loss, step_labels = 0.0, 0.0
-                    for _ in range(ga):
-                        made = time.time()
-                        batch = self.task.next_training_batch(model, self._next_batch)
-                        window["batch_time"] += time.time() - made  # data; for RL also sampling and rewards
-                        outputs = model.forward_backward(inputs=batch, adapter_name=name)
-                        loss, tokens = _loss_and_tokens(outputs)
-                        step_loss += loss
-                        labels = _label_tokens(batch)
-                        step_labels += 1.0 if labels is None else labels  # no label tensor: assume labelled
-                        window["loss"] += loss
-                        window["tokens"] += tokens
-                        window["input_tokens"] += _batch_tokens(batch)
-                    grad_norm = model.clip_grad_and_step(max_grad_norm=t.max_grad_norm, adapter_name=name)
-                    self.step += 1
-                    if self.startup is None:
-                        self._report_startup(first_step)
-                    self.task.after_step(model, step=self.step)
-                    self._mark_boundary()
-                    bar.update(1)
-                    is_eval_step = eval_enabled and t.eval_every is not None and self.step % t.eval_every == 0
-                    if self.step % t.log_every == 0 or self.step == self.total_steps or is_eval_step:
-                        train_metrics = self._log_step(log, bar, window, grad_norm, started, show_bar)
-                        window = self._new_window()
-                    # after the step's log line, before evaluating or saving it
-                    self._check_step(stop, math.isfinite(step_loss) and _is_finite(grad_norm), step_labels)
-                    paused = time.time()
-                    if is_eval_step and self.step != self.total_steps:
-                        log.log("eval", self.step, self._report_eval(self.evaluate()))
-                        self._check_step(stop)  # a signal during a long evaluation stops before the next step
-                    if t.save_every is not None and self.step % t.save_every == 0:
-                        self._save_checkpoint()
-                    window["paused"] += time.time() - paused  # not training time for tokens/s
-                if eval_enabled:
-                    eval_after = self._report_eval(self.evaluate())
-                    log.log("eval", self.step, eval_after)
-                    self._check_step(stop)
-                final_path = self._save("final", save_optimizer=False)
-                self.checkpoints.append(final_path)
-        except BaseException as exc:
-            bar.close()
-            log.failed(exc)  # the trackers finish the run as failed / interrupted
-            if stop.forced:
-                logger.warning("stopped at once by a second signal, without saving; resume from the last checkpoint")
-                raise
-            if isinstance(exc, TrainingDivergedError) or self.guard.skip_interrupted_save:
-                raise  # such a state is not worth resuming from
-            self._save_interrupted(exc)
-            if stop.signum is not None and not isinstance(exc, KeyboardInterrupt):
-                # an error after a stop was asked for (under torchrun often because of it: the other ranks
-                # are going away) is reported as the interrupt it followed
-                raise KeyboardInterrupt(f"received {signal.Signals(stop.signum).name}") from exc
-            raise
-        finally:
-            bar.close()
-            log.close()
-            self.task.close()
-        summary = {
+                        " from step %d; output in %s", run.total_steps, run.micro_batches_per_epoch,
+                        self.recipe.train.gradient_accumulation_steps, self.step, self.output_dir)
+        return reporter
+
+    def _train(self, reporter: StepReporter, stop: StopSignals, outcome: RunOutcome) -> None:
+        """Evaluate before (when asked), train every step, evaluate after and save ``final``."""
+        run, t = self.plan, self.recipe.train
+        if t.eval_before_training and run.evaluates and self.step == 0:
+            with self.startup_timer.phase("eval_before"):
+                outcome.eval_before = reporter.log_eval(self.step, self.evaluator.evaluate(), console=False)
+        window = StepWindow()
+        first_step = time.perf_counter(), time.process_time()
+        while self.step < run.total_steps:
+            window = self._train_step(reporter, stop, window, first_step, outcome)
+        if run.evaluates:
+            outcome.eval_after = reporter.log_eval(self.step, self.evaluator.evaluate())
+            self._check_step(stop)
+        outcome.final_checkpoint = self.checkpointer.save_final(self.step, self.stream.epoch)
+
+    def _train_step(self, reporter: StepReporter, stop: StopSignals, window: StepWindow,
+                    first_step: tuple[float, float], outcome: RunOutcome) -> StepWindow:
+        """One optimizer step, then what follows it: log line, checks, evaluation, checkpoint. Returns the window
+        the next step adds to."""
+        run, t = self.plan, self.recipe.train
+        step_loss, step_labels = self._accumulate(window)
+        grad_norm = run.model.clip_grad_and_step(max_grad_norm=t.max_grad_norm, adapter_name=run.adapter_name)
+        self.step += 1
+        if self.startup is None:
+            self.startup = startup_report(self.startup_timer, first_step, is_main=self.is_main)
+        run.task.after_step(run.model, step=self.step)
+        self.checkpointer.mark_boundary(self.step, self.stream.epoch)
+        reporter.bar.update(1)
+        is_eval_step = run.evaluates and t.eval_every is not None and self.step % t.eval_every == 0
+        if self.step % t.log_every == 0 or self.step == run.total_steps or is_eval_step:
+            outcome.train_metrics = reporter.log_step(self.step, self.stream.epoch, window, grad_norm)
+            window = StepWindow()
+        # after the step's log line, before evaluating or saving it
+        self._check_step(stop, math.isfinite(step_loss) and is_finite(grad_norm), step_labels)
+        paused = time.time()
+        if is_eval_step and self.step != run.total_steps:
+            reporter.log_eval(self.step, self.evaluator.evaluate())
+            self._check_step(stop)  # a signal during a long evaluation stops before the next step
+        if t.save_every is not None and self.step % t.save_every == 0:
+            self.checkpointer.save_checkpoint(self.step, self.stream.epoch)
+        window.paused += time.time() - paused  # not training time for tokens/s
+        return window
+
+    def _accumulate(self, window: StepWindow) -> tuple[float, float]:
+        """Forward and backward ``gradient_accumulation_steps`` micro-batches; ``(their summed loss, their label
+        tokens)``, also added to ``window``."""
+        run = self.plan
+        step_loss = step_labels = 0.0
+        for _ in range(self.recipe.train.gradient_accumulation_steps):
+            made = time.time()
+            batch = run.task.next_training_batch(run.model, self.stream.next_batch)
+            window.batch_time += time.time() - made  # data; for RL also sampling and rewards
+            outputs = run.model.forward_backward(inputs=batch, adapter_name=run.adapter_name)
+            loss, tokens = loss_and_tokens(outputs)
+            labels = label_tokens(batch)
+            step_loss += loss
+            step_labels += 1.0 if labels is None else labels  # no label tensor: assume labelled
+            window.loss += loss
+            window.tokens += tokens
+            window.input_tokens += batch_tokens(batch)
+        return step_loss, step_labels
+
+    def _check_step(self, stop: StopSignals, finite: bool = True, label_tokens: float | None = None) -> None:
+        self.guard.check(stop, step=self.step, total_steps=self.total_steps, finite=finite, label_tokens=label_tokens,
+                         global_sum=self._global_sum)
+
+    def _stopped(self, exc: BaseException, reporter: StepReporter, stop: StopSignals) -> BaseException | None:
+        """Training stopped on ``exc``: save ``checkpoint-N-interrupted`` where that state is worth resuming from.
+        Returns the exception to report instead of ``exc`` (None: ``exc`` itself)."""
+        reporter.failed(exc)  # the trackers finish the run as failed / interrupted
+        if stop.forced:
+            logger.warning("stopped at once by a second signal, without saving; resume from the last checkpoint")
+            return None
+        if isinstance(exc, TrainingDivergedError) or self.guard.skip_interrupted_save:
+            return None  # such a state is not worth resuming from
+        self.checkpointer.save_interrupted(exc)
+        if stop.signum is not None and not isinstance(exc, KeyboardInterrupt):
+            # an error after a stop was asked for (under torchrun often because of it: the other ranks
+            # are going away) is reported as the interrupt it followed
+            return KeyboardInterrupt(f"received {signal.Signals(stop.signum).name}")
+        return None
+
+    # ------------------------------------------------------------------ the summary
+    def _summary(self, outcome: RunOutcome, resumed_from: str | None, started: float) -> dict[str, Any]:
+        return {
             "output_dir": str(self.output_dir),
             "steps": self.step,
             "num_training_steps": self.total_steps,
             "epoch": self.epoch,
             "resumed_from": resumed_from,
-            "train_metrics": train_metrics,
-            "eval_before": eval_before,
-            "eval_after": eval_after,
-            "final_checkpoint": final_path,
-            "checkpoints": list(self.checkpoints),
+            "train_metrics": outcome.train_metrics,
+            "eval_before": outcome.eval_before,
+            "eval_after": outcome.eval_after,
+            "final_checkpoint": outcome.final_checkpoint,
+            "checkpoints": list(self.checkpointer.checkpoints),
             "wall_time_s": round(time.time() - started, 3),
             "startup": self.startup,
         }
-        if self.is_main:
-            import json
 
-            from twinkle_core.train.logging import _plain
-
-            (self.output_dir / "summary.json").write_text(json.dumps(_plain(summary), indent=2) + "\n")
-            from twinkle_core.train.curves import write_curves
-
-            write_curves(self.output_dir, ["loss", *self.task.curve_keys], title=f"{r.task}: {self.output_dir.name}")
-        return summary
-
-    def _check_step(self, stop: StopSignals, finite: bool = True, label_tokens: float | None = None) -> None:
-        self.guard.check(stop, step=self.step, total_steps=self.total_steps, finite=finite, label_tokens=label_tokens,
-                         global_sum=self._global_sum)
+    def _write_summary(self, summary: dict[str, Any]) -> None:
+        """``summary.json`` and the loss curves (main process)."""
+        (self.output_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2) + "\n")
+        write_curves(self.output_dir, ["loss", *self.plan.task.curve_keys],
+                     title=f"{self.recipe.task}: {self.output_dir.name}")
 
 
 def train(recipe: Recipe | str | os.PathLike[str] | dict[str, Any], *, overrides: list[str] | None = None,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from twinkle_core.errors import ConfigError
+from twinkle_core.train.seeding import seed_everything
 
 logger = logging.getLogger("twinkle.train")
 
@@ -52,21 +53,23 @@ def saved_layout(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     (another model implementation's checkpoint, or a damaged file: resuming reports that one itself).
     Checkpoints written before the layout was recorded give what their data-loader state and RNG files say."""
     from twinkle_core import checkpoint
+    from twinkle_core.checkpoint_layout import CheckpointLayout
+    from twinkle_core.checkpoint_layout import TrainerStateKeys as Keys
 
-    file = os.path.join(str(path), checkpoint.STATE_DIR, "trainer_state.pt")
+    file = CheckpointLayout(os.fspath(path)).trainer_state
     if not os.path.isfile(file):
         return None
     try:
         trainer = checkpoint.load_state_file(file)
     except checkpoint.CheckpointError:
         return None
-    extra = trainer.get("extra_state") or {}
+    extra = trainer.get(Keys.EXTRA_STATE) or {}
     if isinstance(extra.get("layout"), dict):
         return dict(extra["layout"])
     loader = extra.get("loader") or {}
-    configs = trainer.get("configs") or {}
+    configs = trainer.get(Keys.CONFIGS) or {}
     strategy = (configs.get("strategy") or {}).get("name") if isinstance(configs.get("strategy"), dict) else None
-    return {"world_size": trainer.get("rng_ranks"), "dp_size": loader.get("dp_size"),
+    return {"world_size": trainer.get(Keys.RNG_RANKS), "dp_size": loader.get("dp_size"),
             "batch_size": loader.get("batch_size"), "gradient_accumulation_steps": None, "strategy": strategy}
 
 
@@ -146,6 +149,4 @@ def remap_loader_state(path: Path | str, saved: dict[str, Any], loader: Any) -> 
 
 def reseed(seed: int, step: int) -> None:
     """The RNG streams after a resume at another world size: the same on every rank, like a fresh run's."""
-    from twinkle_core.train.loop import seed_everything
-
     seed_everything(int(seed) + 1_000_003 * int(step))

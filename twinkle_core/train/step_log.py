@@ -1,8 +1,9 @@
 """What the loop reports as it trains: the per-step log line (loss, learning rate, gradient norm,
-tokens/s), evaluation results on the console and the start-up timing of the first step.
+tokens/s), evaluation results on the console, the progress bar, and the start-up timing of the first step.
 
-:class:`StepLogMixin` is that part of :class:`twinkle_core.train.loop.Trainer`; the lines themselves are
-written by :class:`twinkle_core.train.logging.TrainLogger`.
+:class:`StepReporter` does it for one :class:`~twinkle_core.train.build.TrainingRun`; the lines themselves are
+written by :class:`twinkle_core.train.logging.TrainLogger`. :class:`StepWindow` gathers what the steps between
+two log lines did.
 """
 
 from __future__ import annotations
@@ -10,73 +11,110 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
-from twinkle_core.train.logging import TrainLogger
+from twinkle_core.train.build import TrainingRun
+from twinkle_core.train.logging import StartupTimer, TrainLogger
+from twinkle_core.train.progress import progress_bar, progress_enabled
 
 logger = logging.getLogger("twinkle.train")
 
 
-def _round(value: Any, digits: int = 6) -> Any:
+def rounded(value: Any, digits: int = 6) -> Any:
+    """A finite float to ``digits`` significant digits (for log lines); anything else unchanged."""
     if isinstance(value, float) and math.isfinite(value):
         return float(f"{value:.{digits}g}")
     return value
 
 
-class StepLogMixin:
-    """The loop's reporting; the trainer supplies the model, task, counters, ``dp_size``, ``is_main`` and
-    ``startup_timer``, and :meth:`_report_startup` sets ``startup``."""
+@dataclass
+class StepWindow:
+    """The sums of the micro-batches since the last log line, and the time they took."""
 
-    def _report_startup(self, first_step: tuple[float, float]) -> None:
-        """Where the time up to the end of the first optimizer step of this run went (``summary["startup"]``);
-        ``first_step`` is ``(perf_counter, process_time)`` when that step began."""
-        timer = self.startup_timer
-        timer.add("first_step", time.perf_counter() - first_step[0], time.process_time() - first_step[1])
-        self.startup = timer.report()
-        if self.is_main:
-            logger.debug("start-up (s): %s", timer.format(self.startup))
+    loss: float = 0.0
+    tokens: float = 0.0
+    input_tokens: float = 0.0
+    #: making batches (data; for an RL task also sampling and rewards)
+    batch_time: float = 0.0
+    #: evaluating and saving: not training time for tokens/s
+    paused: float = 0.0
+    started: float = field(default_factory=time.time)
 
-    @staticmethod
-    def _new_window() -> dict[str, float]:
-        return {"loss": 0.0, "tokens": 0.0, "input_tokens": 0.0, "time": time.time(), "paused": 0.0, "batch_time": 0.0}
 
-    def _report_eval(self, metrics: dict[str, float]) -> dict[str, float]:
-        if self.is_main:
-            text = " ".join(f"{k} {_round(v, 4)}" for k, v in metrics.items())
-            logger.info("step %d/%d eval: %s", self.step, self.total_steps, text)
-        return metrics
+def startup_report(timer: StartupTimer, first_step: tuple[float, float], *, is_main: bool) -> dict[str, Any]:
+    """Where the time up to the end of the first optimizer step of this run went (``summary["startup"]``);
+    ``first_step`` is ``(perf_counter, process_time)`` when that step began."""
+    timer.add("first_step", time.perf_counter() - first_step[0], time.process_time() - first_step[1])
+    report = timer.report()
+    if is_main:
+        logger.debug("start-up (s): %s", timer.format(report))
+    return report
 
-    def _log_step(self, log: TrainLogger, bar: Any, window: dict[str, float], grad_norm: Any, started: float,
-                  show_bar: bool) -> dict[str, Any]:
-        metrics = dict(self.model.calculate_metric(adapter_name=self.adapter_name, reset=True))
-        metrics.update(self.task.step_metrics())  # every rank calls it: a task may reduce over ranks inside
+
+class StepReporter:
+    """The log lines, trackers and progress bar of ``run``, from step ``step`` on. Opening it starts the recipe's
+    trackers (``train.report_to``): one that cannot start raises here, before any step."""
+
+    def __init__(self, run: TrainingRun, *, step: int, is_main: bool, started: float) -> None:
+        self.run = run
+        self.is_main = is_main
+        self.started = started
+        self.show_bar = progress_enabled(is_main)
+        self.log = TrainLogger.for_recipe(run.recipe, enabled=is_main)
+        self.bar = progress_bar(run.total_steps, step, enabled=self.show_bar)
+
+    def log_step(self, step: int, epoch: int, window: StepWindow, grad_norm: Any) -> dict[str, Any]:
+        """The ``train`` log line of ``step``: the model's and the task's metrics over ``window``."""
+        run = self.run
+        metrics = dict(run.model.calculate_metric(adapter_name=run.adapter_name, reset=True))
+        metrics.update(run.task.step_metrics())  # every rank calls it: a task may reduce over ranks inside
         loss = metrics.pop("loss", None)
-        if loss is None and window["tokens"]:
-            loss = window["loss"] / window["tokens"]
+        if loss is None and window.tokens:
+            loss = window.loss / window.tokens
         now = time.time()
-        interval = max(now - window["time"] - window["paused"], 1e-9)
+        interval = max(now - window.started - window.paused, 1e-9)
         values: dict[str, Any] = {
-            "epoch": self.epoch,
-            "loss": _round(float(loss)) if loss is not None else None,
-            "lr": self.model.get_train_configs(adapter_name=self.adapter_name)["lr"],
-            "grad_norm": _round(float(grad_norm)) if grad_norm is not None else None,
-            "tokens_per_s": round(window["input_tokens"] * (self.dp_size or 1) / interval, 1),
+            "epoch": epoch,
+            "loss": rounded(float(loss)) if loss is not None else None,
+            "lr": run.model.get_train_configs(adapter_name=run.adapter_name)["lr"],
+            "grad_norm": rounded(float(grad_norm)) if grad_norm is not None else None,
+            "tokens_per_s": round(window.input_tokens * run.data_parallel.size / interval, 1),
             # the same tokens over the time the model computed: without making batches (an RL task's sampling)
-            "batch_time_s": round(window["batch_time"], 3),
-            "train_tokens_per_s": round(window["input_tokens"] * (self.dp_size or 1)
-                                        / max(interval - window["batch_time"], 1e-9), 1),
-            "elapsed_s": round(now - started, 3),
+            "batch_time_s": round(window.batch_time, 3),
+            "train_tokens_per_s": round(window.input_tokens * run.data_parallel.size / max(interval - window.batch_time, 1e-9),
+                                        1),
+            "elapsed_s": round(now - self.started, 3),
         }
         metrics.pop("lr", None)  # logged once, from the train-configs schema above
-        values.update({k: _round(v) if isinstance(v, float) else v for k, v in metrics.items()})
-        record = log.log("train", self.step, values)
+        values.update({k: rounded(v) if isinstance(v, float) else v for k, v in metrics.items()})
+        record = self.log.log("train", step, values)
         if self.is_main:
-            if show_bar:
-                bar.set_postfix(loss=values["loss"], lr=values["lr"], refresh=False)
-            else:
-                logger.info("step %d/%d loss %s lr %s grad_norm %s tokens/s %s", self.step, self.total_steps,
-                            values["loss"], _round(values["lr"], 3) if values["lr"] is not None else None,
-                            _round(values["grad_norm"], 4) if values["grad_norm"] is not None else None,
-                            values["tokens_per_s"])
+            self._show(step, values)
         return record
 
+    def _show(self, step: int, values: dict[str, Any]) -> None:
+        if self.show_bar:
+            self.bar.set_postfix(loss=values["loss"], lr=values["lr"], refresh=False)
+            return
+        lr, grad_norm = values["lr"], values["grad_norm"]
+        logger.info("step %d/%d loss %s lr %s grad_norm %s tokens/s %s", step, self.run.total_steps, values["loss"],
+                    rounded(lr, 3) if lr is not None else None, rounded(grad_norm, 4) if grad_norm is not None else None,
+                    values["tokens_per_s"])
+
+    def log_eval(self, step: int, metrics: dict[str, float], *, console: bool = True) -> dict[str, float]:
+        """The ``eval`` log line of ``step`` (and, with ``console``, the console line)."""
+        if console and self.is_main:
+            text = " ".join(f"{k} {rounded(v, 4)}" for k, v in metrics.items())
+            logger.info("step %d/%d eval: %s", step, self.run.total_steps, text)
+        self.log.log("eval", step, metrics)
+        return metrics
+
+    def failed(self, exc: BaseException) -> None:
+        """Training stopped on ``exc``: the bar goes, the trackers finish the run as failed / interrupted."""
+        self.bar.close()
+        self.log.failed(exc)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.log.close()

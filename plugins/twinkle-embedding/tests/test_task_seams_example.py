@@ -1,8 +1,8 @@
-"""The task-plugin example of the project README ("Writing a plugin") runs as printed.
+"""A task plugin with a head, an exported file and a loss that reads the context runs through every seam.
 
-The README snippet is the code between the ``README example`` markers followed by the two lines at the
-top of the test (building a model at import time would slow every collection); the test runs it on the
-core's reference model and checks each seam.
+The example is the code between the ``README example`` markers (an earlier README printed it; the README's
+"Writing a plugin" is now examples/writing_a_plugin/reward_plugin.py, whose head is a real scalar head); the
+test runs it on the core's reference model and checks each seam.
 """
 
 from __future__ import annotations

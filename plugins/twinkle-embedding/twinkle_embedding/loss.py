@@ -118,7 +118,7 @@ class InfoNCELoss(Loss):
         if gather:
             import torch.distributed as dist
 
-            from twinkle_embedding._dist import all_gather_rows, gather_sizes
+            from twinkle_embedding.gather import all_gather_rows, gather_sizes
 
             sizes = gather_sizes(emb.shape[0], emb.device, group)
             rank = dist.get_rank(group)  # the position of this rank's rows in the gather

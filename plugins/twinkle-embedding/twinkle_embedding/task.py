@@ -79,13 +79,12 @@ def _directory_of(obj: Any) -> str | None:
 
 
 def _network(model: Any) -> Any:
-    """The torch module of a TwinkleModel, inside PEFT's wrapper when adapters exist."""
-    module = getattr(model, "hf_model", None)
-    if module is None:
-        module = getattr(model, "module", None)
-    if module is not None and hasattr(module, "get_base_model"):
-        module = module.get_base_model()
-    return module
+    """The model's network (``TwinkleModel.network``), or ``None`` for a model that declares none (a stand-in
+    that only calls the task's hooks): the task then reads no config and freezes nothing."""
+    try:
+        return model.network
+    except (AttributeError, ConfigError):
+        return None
 
 
 class EmbeddingTask(Task):

@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 from twinkle_rl.losses.policy import DAPOLoss, DrGRPOLoss, GRPOLoss, GSPOLoss, PPOLoss
-from twinkle_rl.losses.tempered import tempered_token_logprobs
 
 from twinkle_core.loss.base import LossContext
+from twinkle_core.loss.logprobs import tempered_token_logprobs
 from twinkle_core.testing.loss_reference import (
     DT,
     IGNORE,

@@ -99,3 +99,20 @@ def test_a_sampler_answering_the_wrong_number_is_an_error():
     eng.sampler.sample = lambda prompts, **kw: [[completion("good", 1)]] * len(prompts)  # one instead of N
     with pytest.raises(RuntimeError, match="returned"):
         eng.run(draws([0]), 0, RolloutStats())
+
+
+def test_the_rollout_reduces_over_the_models_data_parallel_view():
+    from twinkle_rl.rollout import DataParallel
+
+    from twinkle_core.model.data_parallel import DataParallelView
+
+    class Model:  # what the rollout reads of a model: its data-parallel view (TwinkleModel.data_parallel)
+        data_parallel = DataParallelView(rank=1, size=4, group="dp-group")
+
+    dp = DataParallel.of(Model())
+    assert dp.view is Model.data_parallel and (dp.view.rank, dp.view.size) == (1, 4)
+    # one process: nothing to reduce over, whatever the view says
+    value = torch.tensor([2.0], dtype=torch.float64)
+    assert dp.sum(value) is value and dp.any(True) and not dp.any(False)
+    assert dp.max({"a": 3.0}, ["a", "b"]) == {"a": 3.0, "b": 0.0}
+    assert (DataParallel().view.rank, DataParallel().view.size) == (0, 1)

@@ -57,12 +57,29 @@ def summarise(stats: RolloutStats, dp: DataParallel, *, reward_names: list[str],
     return out
 
 
+def _chunk_sums(engine: RolloutEngine, chunk: list[Any], groups: list[Any], num_generations: int) -> torch.Tensor:
+    """One chunk's sums: per reward (NaN scores left out), total reward, completion tokens, completions."""
+    names = engine.rewards.names
+    completions = [x for g in groups for x in g]
+    keys = sorted({k for f in chunk for k in f.fields})
+    fields = {k: [f.fields.get(k) for f in chunk for _ in range(num_generations)] for k in keys}
+    scores = engine.rewards.score([f.text for f in chunk for _ in range(num_generations)],
+                                  [x.text for x in completions], fields)
+    sums = torch.zeros(len(names) + 3, dtype=torch.float64)
+    for i, name in enumerate(names):
+        sums[i] += sum(v for v in scores.per_reward[name] if not math.isnan(v))
+    sums[-3] += sum(scores.total)
+    sums[-2] += sum(len(x.token_ids) for x in completions)
+    sums[-1] += len(completions)
+    return sums
+
+
 def evaluate_prompts(engine: RolloutEngine, prompts: list[Any], *, seed: int, batch_size: int, temperature: float,
                      num_generations: int, accuracy_reward: str | None) -> dict[str, float]:
     """Mean rewards of ``num_generations`` completions of each prompt; each rank answers every world-size-th."""
     dp = engine.dp
-    world = max(dp.size, 1)
-    mine = prompts[dp.rank::world]
+    world = max(dp.view.size, 1)
+    mine = prompts[dp.view.rank::world]
     params = SamplingParams(**{**engine.params.__dict__, "temperature": float(temperature)})
     names = engine.rewards.names
     sums = torch.zeros(len(names) + 3, dtype=torch.float64)  # per reward..., total, completion tokens, count
@@ -71,18 +88,8 @@ def evaluate_prompts(engine: RolloutEngine, prompts: list[Any], *, seed: int, ba
         chunk = mine[c * batch_size:(c + 1) * batch_size]
         seeds = [[sample_seed(seed, -1, f.index, j) for j in range(num_generations)] for f in chunk]
         groups = engine.sampler.sample([f.prompt_ids for f in chunk], n=num_generations, params=params, seeds=seeds)
-        if not chunk:
-            continue
-        completions = [x for g in groups for x in g]
-        keys = sorted({k for f in chunk for k in f.fields})
-        fields = {k: [f.fields.get(k) for f in chunk for _ in range(num_generations)] for k in keys}
-        scores = engine.rewards.score([f.text for f in chunk for _ in range(num_generations)],
-                                      [x.text for x in completions], fields)
-        for i, name in enumerate(names):
-            sums[i] += sum(v for v in scores.per_reward[name] if not math.isnan(v))
-        sums[-3] += sum(scores.total)
-        sums[-2] += sum(len(x.token_ids) for x in completions)
-        sums[-1] += len(completions)
+        if chunk:
+            sums += _chunk_sums(engine, chunk, groups, num_generations)
     sums = dp.sum(sums)
     count = float(sums[-1]) or 1.0
     out = {f"reward/{name}": float(sums[i]) / count for i, name in enumerate(names)}

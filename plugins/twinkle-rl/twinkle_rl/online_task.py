@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import torch
 
 from twinkle_core.errors import ConfigError
+from twinkle_core.model.train_configs import TrainingSetup
 from twinkle_core.sampling import SamplingParams
 from twinkle_core.task import Task
 from twinkle_rl.advantages import ESTIMATORS
@@ -46,7 +47,7 @@ from twinkle_rl.losses.tempered import tempered_token_logprobs
 from twinkle_rl.one_step_off import InflightRollout, check_one_step_off
 from twinkle_rl.online_report import evaluate_prompts, summarise
 from twinkle_rl.prompts import PromptFeature, collate_prompts, read_prompts
-from twinkle_rl.reference import ReferenceProvider, make_reference, train_configs
+from twinkle_rl.reference import ReferenceProvider, make_reference
 from twinkle_rl.rewards import RewardSet
 from twinkle_rl.rollout import DataParallel, Rollout, RolloutEngine, RolloutStats
 
@@ -168,7 +169,7 @@ class OnlineRLTask(Task):
             name = self.adapter_name or (self._only_adapter(model))
             sampler.bind(model, self.tokenizer, adapter_name=name)
             # a push sampler's copy starts from the current weights (also those of a resumed checkpoint)
-            sampler.sync_weights(model, step=int(train_configs(model).get("step") or 0))
+            sampler.sync_weights(model, step=TrainingSetup.of(model).step)
             params = self.params
             end_of_turn = self._end_of_turn_ids()
             if end_of_turn:
@@ -189,22 +190,23 @@ class OnlineRLTask(Task):
 
     @staticmethod
     def _only_adapter(model: Any) -> str | None:
-        adapters = list(train_configs(model).get("adapters") or [])
+        adapters = list(TrainingSetup.of(model).adapters)
         if len(adapters) > 1:
             raise ConfigError(f"the model has several adapters {adapters}; name the one this task trains with "
                               f"task_options.adapter_name")
         return adapters[0] if adapters else None
 
     def _reference(self, model: Any) -> ReferenceProvider | None:
-        loss = train_configs(model).get("loss") or {}
-        if not float(loss.get("beta", 0.0) or 0.0):
+        loss = TrainingSetup.of(model).loss
+        beta = float(loss.option("beta", 0.0)) if loss is not None else 0.0
+        if not beta:
             return None
         if self.provider is None:
             choice = self.reference
             if choice == "auto":
-                choice = "adapter" if train_configs(model).get("adapters") else "model"
+                choice = "adapter" if TrainingSetup.of(model).adapters else "model"
             if choice == "none":
-                raise ConfigError(f"loss {loss.get('name')!r} has beta={loss.get('beta')} (a KL term) but "
+                raise ConfigError(f"loss {loss.name!r} has beta={loss.option('beta')} (a KL term) but "
                                   f"task_options.reference is none; set a reference or beta: 0")
             self.provider = make_reference(choice, adapter_name=self.adapter_name)
             self.provider.prepare(model)
@@ -222,7 +224,7 @@ class OnlineRLTask(Task):
     def _micro_batch_size(self, model: Any, rollout_size: int) -> int:
         if self.micro_batch_size:
             return int(self.micro_batch_size)
-        ga = int(train_configs(model).get("gradient_accumulation_steps") or 1)
+        ga = TrainingSetup.of(model).gradient_accumulation_steps
         if rollout_size % ga:
             raise ConfigError(f"a rollout of {rollout_size} completions does not split into "
                               f"train.gradient_accumulation_steps={ga} micro-batches; set task_options."
@@ -239,7 +241,7 @@ class OnlineRLTask(Task):
         current, self.inflight = self.inflight, None
         rollout = current.result()
         self.stats.merge(current.stats)
-        step = int(train_configs(model).get("step") or 0)
+        step = TrainingSetup.of(model).step
         self.stats.add("policy_lag", (step - current.policy_step) * len(rollout.completions))
         # the sampler is idle now: give it the current weights, then sample the next rollout while this one trains
         engine.sampler.sync_weights(model, step=step)
@@ -294,7 +296,7 @@ class OnlineRLTask(Task):
         engine = self._engine(model)
         if self.inflight is not None:  # the sampler is busy on its thread: let it finish, then evaluate the policy
             self.inflight.wait()
-            engine.sampler.sync_weights(model, step=int(train_configs(model).get("step") or 0))
+            engine.sampler.sync_weights(model, step=TrainingSetup.of(model).step)
         prompts = list(dataset)[: None if limit is None else int(limit)]
         return evaluate_prompts(engine, prompts, seed=self.seed, batch_size=batch_size, temperature=temperature,
                                 num_generations=num_generations, accuracy_reward=self.accuracy_reward)

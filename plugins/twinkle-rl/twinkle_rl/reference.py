@@ -29,6 +29,7 @@ import torch
 
 from twinkle_core.errors import ConfigError
 from twinkle_core.loss.logprobs import token_logprobs
+from twinkle_core.model.train_configs import LossSpec, TrainingSetup
 from twinkle_rl.layout import sequence_sums
 
 logger = logging.getLogger("twinkle.rl")
@@ -39,7 +40,7 @@ REFERENCE_FREE_LOSSES = frozenset({"simpo", "orpo"})
 
 
 def has_adapters(model: Any) -> bool:
-    return bool(train_configs(model).get("adapters"))
+    return bool(TrainingSetup.of(model).adapters)
 
 
 def base_logits(model: Any, batch: dict[str, Any], adapter_name: str | None = None) -> torch.Tensor:
@@ -89,7 +90,7 @@ class AdapterReference(ReferenceProvider):
     def _adapter_name(self, model: Any) -> str:
         # looked up at first use, not in prepare(): the trainer adds the adapter after task.prepare_model
         if self.adapter_name is None:
-            adapters = list(train_configs(model).get("adapters") or [])
+            adapters = list(TrainingSetup.of(model).adapters)
             if not adapters:
                 raise ConfigError("task_options.reference: adapter needs a model with a LoRA adapter (model.adapter "
                                   "in the recipe); for full fine-tuning use reference: model")
@@ -146,24 +147,19 @@ def make_reference(name: str, *, adapter_name: str | None = None) -> ReferencePr
     return _PROVIDERS[name]()
 
 
-def train_configs(model: Any) -> dict[str, Any]:
-    get = getattr(model, "get_train_configs", None)
-    return get() if callable(get) else {}
-
-
-def is_reference_free(loss_spec: dict[str, Any] | None) -> bool:
-    """Whether the configured loss (``get_train_configs()["loss"]``) compares against no reference."""
-    if not loss_spec:
+def is_reference_free(loss: LossSpec | None) -> bool:
+    """Whether the configured loss (``TrainingSetup.loss``) compares against no reference."""
+    if loss is None:
         return False
-    return loss_spec.get("name") in REFERENCE_FREE_LOSSES or bool(loss_spec.get("reference_free"))
+    return loss.name in REFERENCE_FREE_LOSSES or bool(loss.option("reference_free"))
 
 
 def resolve_auto(model: Any) -> str:
     """``auto`` for this model as it is now: adapter, none (reference-free loss) or model."""
-    configs = train_configs(model)
-    if configs.get("adapters"):
+    setup = TrainingSetup.of(model)
+    if setup.adapters:
         return "adapter"
-    if is_reference_free(configs.get("loss")):
+    if is_reference_free(setup.loss):
         return "none"
     return "model"
 
@@ -181,5 +177,4 @@ __all__ = [
     "make_reference",
     "reference_logps",
     "resolve_auto",
-    "train_configs",
 ]

@@ -18,16 +18,20 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from twinkle_core import distributed
+from twinkle_core.constants import IGNORE_INDEX
+from twinkle_core.model.data_parallel import DataParallelView
 from twinkle_core.sampling import Completion, Sampler, SamplingParams, sample_seed
 from twinkle_rl.advantages import ESTIMATORS, informative_groups, soft_overlong_penalty
 from twinkle_rl.experience import completion_lengths, experience_batch
 from twinkle_rl.prompts import PromptFeature
 from twinkle_rl.rewards import RewardSet
+
+if TYPE_CHECKING:
+    from twinkle_core.model.base import TwinkleModel
 
 logger = logging.getLogger("twinkle.rl")
 
@@ -54,26 +58,16 @@ class RolloutStats:
 
 @dataclass(frozen=True)
 class DataParallel:
-    """The data-parallel ranks a rollout is spread over: every reduction of rollouts runs over ``group`` only, so
-    tensor- or pipeline-parallel ranks, which hold the same prompts, are not counted twice."""
+    """The rollout's reductions over the model's data-parallel ranks (:attr:`TwinkleModel.data_parallel
+    <twinkle_core.model.base.TwinkleModel.data_parallel>`): every reduction of rollouts runs over that view's group
+    only, so tensor- or pipeline-parallel ranks, which hold the same prompts, are not counted twice. Values are
+    reduced on the accelerator's device (NCCL reduces no CPU tensors) and come back on the CPU."""
 
-    rank: int = 0
-    size: int = 1
-    group: Any = None
+    view: DataParallelView = field(default_factory=DataParallelView)
 
     @classmethod
-    def of(cls, model: Any) -> DataParallel:
-        # the trainer's convention (twinkle_core.train.loop): a model with model parallelism exposes its
-        # data-parallel coordinates on its strategy; otherwise every rank is a data-parallel rank
-        strategy = getattr(model, "strategy", None)
-        rank, size = getattr(strategy, "dp_rank", None), getattr(strategy, "dp_size", None)
-        if isinstance(rank, int) and isinstance(size, int) and not isinstance(rank, bool):
-            return cls(rank, size, getattr(strategy, "dp_group", None))
-        return cls(distributed.rank(), distributed.world_size())
-
-    @property
-    def active(self) -> bool:
-        return self.size > 1 and distributed.world_size() > 1
+    def of(cls, model: TwinkleModel) -> DataParallel:
+        return cls(model.data_parallel)
 
     def _device(self) -> Any:
         from twinkle_core.accelerator import current_accelerator
@@ -82,9 +76,9 @@ class DataParallel:
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` summed over the data-parallel ranks, on the CPU (unchanged in one process)."""
-        if not self.active:
+        if not self.view.active:
             return value
-        return distributed.all_reduce_sum(value.to(self._device()), group=self.group).cpu()
+        return self.view.sum(value, self._device()).cpu()
 
     def any(self, flag: bool) -> bool:
         return bool(self.sum(torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)).item() > 0)
@@ -92,12 +86,8 @@ class DataParallel:
     def max(self, values: dict[str, float], keys: list[str]) -> dict[str, float]:
         """``values[key]`` maximised over the data-parallel ranks (a missing key counts as 0)."""
         local = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64)
-        if self.active:
-            import torch.distributed as dist
-
-            local = local.to(self._device())
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
-            local = local.cpu()
+        if self.view.active:
+            local = self.view.max(local, self._device()).cpu()
         return dict(zip(keys, local.tolist(), strict=True))
 
 
@@ -193,7 +183,7 @@ class RolloutEngine:
         batch["advantages"] = advantages.reshape(-1).to(torch.float32)
         truncated = torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.bool)
         if self.overlong_filter and truncated.any():
-            batch["labels"][truncated] = -100  # DAPO overlong filtering: a cut answer teaches nothing either way
+            batch["labels"][truncated] = IGNORE_INDEX  # DAPO overlong filtering: a cut answer teaches nothing either way
         lengths = completion_lengths(completions)
         stats.add("completions", len(completions))
         stats.add("reward", float(rewards.sum()))

@@ -29,6 +29,7 @@ from typing import Any
 from twinkle_core.data.formats import RowError
 from twinkle_core.data.template import Template
 from twinkle_core.errors import ConfigError, DataFormatError
+from twinkle_core.model.train_configs import TrainingSetup
 from twinkle_core.task import Task
 from twinkle_rl.layout import PREFERENCE_PAIRS
 from twinkle_rl.pairs import OVER_LENGTH, PreferenceFeature, collate_pairs, encode_pair, truncate_pair
@@ -40,7 +41,6 @@ from twinkle_rl.reference import (
     make_reference,
     reference_logps,
     resolve_auto,
-    train_configs,
 )
 from twinkle_rl.rows import read_preference_rows
 
@@ -166,7 +166,7 @@ class PreferenceTask(Task):
     def prepare_model(self, model: Any) -> None:
         """Make the reference before training: the frozen copy must hold the initial weights, so it is made
         here, before a resumed run loads its checkpoint."""
-        if self.provider is None and self.reference == "auto" and train_configs(model).get("adapters"):
+        if self.provider is None and self.reference == "auto" and TrainingSetup.of(model).adapters:
             # a script that adds the adapter first: decided now
             self.provider = make_reference("adapter", adapter_name=self.adapter_name)
         if self.provider is not None:
@@ -180,7 +180,7 @@ class PreferenceTask(Task):
                                   "log-probs; call task.prepare_dataset(model, features, split=..., output_dir=...) "
                                   "on the data set before training (twinkle train does)")
             choice = resolve_auto(model)
-            step = int(train_configs(model).get("step") or 0)
+            step = TrainingSetup.of(model).step
             if choice == "model" and step > 0:
                 raise ConfigError(
                     f"task_options.reference is auto and this full fine-tuning run starts at step {step} (resumed): "

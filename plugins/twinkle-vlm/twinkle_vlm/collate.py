@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinkle_core.data.formats import IGNORE_INDEX
+from twinkle_core.constants import IGNORE_INDEX
+from twinkle_core.data.collate import collate_tokens
 
 
 @dataclass
@@ -65,38 +66,14 @@ def collate_vlm(features: Sequence[VLMFeature], pad_token_id: int, pad_to_multip
     """Right-pad ``features`` into one batch (see the module doc)."""
     import torch
 
-    if not features:
-        raise ValueError("cannot collate an empty list of features")
-    packed = any(f.position_ids is not None for f in features)
-    length = max(len(f.input_ids) for f in features)
-    if pad_to_multiple_of:
-        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
-    batch = len(features)
-    input_ids = torch.full((batch, length), int(pad_token_id), dtype=torch.long)
-    labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)
-    keys = sorted({k for f in features for k in f.token_values})
-    token_values = {k: torch.zeros((batch, length), dtype=torch.long) for k in keys}
-    out: dict[str, Any] = {"input_ids": input_ids, "labels": labels}
-    if packed:
-        positions = out["position_ids"] = torch.zeros((batch, length), dtype=torch.long)
-    else:
-        mask = out["attention_mask"] = torch.zeros((batch, length), dtype=torch.long)
-    for row, feature in enumerate(features):
-        n = len(feature.input_ids)
-        input_ids[row, :n] = torch.tensor(feature.input_ids, dtype=torch.long)
-        labels[row, :n] = torch.tensor(feature.labels, dtype=torch.long)
-        for key in keys:
+    out = collate_tokens(features, pad_token_id, pad_to_multiple_of)  # the core's text layouts
+    shape = out["input_ids"].shape
+    for key in sorted({k for f in features for k in f.token_values}):
+        values = out[key] = torch.zeros(shape, dtype=torch.long)
+        for row, feature in enumerate(features):
             # a text-only row has no per-token values: all text (0)
             if key in feature.token_values:
-                token_values[key][row, :n] = torch.tensor(feature.token_values[key], dtype=torch.long)
-        if packed:
-            own = feature.position_ids if feature.position_ids is not None else list(range(n))
-            positions[row, :n] = torch.tensor(own, dtype=torch.long)
-            start = own[-1] + 1 if n else 0  # padding continues the last sample (core packed layout)
-            positions[row, n:] = torch.arange(start, start + length - n, dtype=torch.long)
-        else:
-            mask[row, :n] = 1
-    out.update(token_values)
+                values[row, : len(feature.input_ids)] = torch.tensor(feature.token_values[key], dtype=torch.long)
     out.update(concat_vision(features))
     return out
 

@@ -36,10 +36,10 @@ def plan_from_options(options: Mapping[str, Any]) -> dict[str, str]:
     return plan
 
 
-def apply_plan(hf_model: torch.nn.Module, plan: Mapping[str, str]) -> None:
+def apply_plan(network: torch.nn.Module, plan: Mapping[str, str]) -> None:
     """Make exactly the ``full`` parts' weights trainable (every parameter belongs to a part)."""
-    family = family_for(hf_model)
-    for name, param in hf_model.named_parameters():
+    family = family_for(network)
+    for name, param in network.named_parameters():
         part = part_of(name, family)
         if part is None:
             raise ConfigError(f"parameter {name} of {family.model_type} belongs to no part "
@@ -59,30 +59,39 @@ def require_adapter(plan: Mapping[str, str], adapters: list[str]) -> None:
                           f"{{type: lora, r: 8, lora_alpha: 16}}), or train those parts full / frozen")
 
 
-def adapter_config(hf_model: torch.nn.Module, config: Any, plan: Mapping[str, str]) -> Any:
-    """The recipe's LoRA config (a dict or ``peft.LoraConfig``) restricted to the plan's parts."""
+def adapter_config(network: torch.nn.Module, config: Any, plan: Mapping[str, str]) -> Any:
+    """The recipe's LoRA config restricted to the plan's parts, in the form it came in: a dict (the backend
+    converts it) or a ``peft.LoraConfig`` (what the HF backend hands ``Task.adapter_config``)."""
     import copy
-
-    import peft
-    from twinkle_backend_hf.adapters import to_peft_config
 
     if not needs_adapter(plan):
         raise ConfigError("model.adapter is set but no part trains with LoRA: set one of task_options."
                           "train_vision / train_projector / train_language to lora, or remove model.adapter")
-    lora = copy.deepcopy(to_peft_config(config))
-    if not isinstance(lora, peft.LoraConfig):
-        raise ConfigError(f"the vlm task places LoRA adapters only, got a {type(lora).__name__}")
-    family = family_for(hf_model)
-    lora.target_modules = lora_target_regex(hf_model, family, plan, lora.target_modules)
-    saved = list(lora.modules_to_save or [])
-    lora.modules_to_save = saved + [m for m in full_part_modules(hf_model, family, plan) if m not in saved] or None
+    if isinstance(config, Mapping):
+        if config.get("type", "lora") != "lora":
+            return config  # the backend refuses what it cannot place, with its own message
+        lora: Any = dict(config)
+        requested, saved = lora.get("target_modules"), list(lora.get("modules_to_save") or [])
+    else:
+        import peft
+
+        if not isinstance(config, peft.LoraConfig):
+            raise ConfigError(f"the vlm task places LoRA adapters only, got a {type(config).__name__}")
+        lora = copy.deepcopy(config)
+        requested, saved = lora.target_modules, list(lora.modules_to_save or [])
+    family = family_for(network)
+    targets = lora_target_regex(network, family, plan, requested)
+    to_save = saved + [m for m in full_part_modules(network, family, plan) if m not in saved] or None
+    if isinstance(lora, dict):
+        return {**lora, "target_modules": targets, "modules_to_save": to_save}
+    lora.target_modules, lora.modules_to_save = targets, to_save
     return lora
 
 
-def _linear_leaves(hf_model: torch.nn.Module, family: VLMFamily, parts: set[str]) -> list[str]:
-    output = hf_model.get_output_embeddings()
+def _linear_leaves(network: torch.nn.Module, family: VLMFamily, parts: set[str]) -> list[str]:
+    output = network.get_output_embeddings()
     leaves = set()
-    for name, module in hf_model.named_modules():
+    for name, module in network.named_modules():
         if not isinstance(module, torch.nn.Linear) or module is output or ".lora_" in name:
             continue
         # a layer that already carries an adapter (another tenant's) keeps its Linear as ``base_layer``
@@ -92,13 +101,13 @@ def _linear_leaves(hf_model: torch.nn.Module, family: VLMFamily, parts: set[str]
     return sorted(leaves)
 
 
-def lora_target_regex(hf_model: torch.nn.Module, family: VLMFamily, plan: Mapping[str, str],
+def lora_target_regex(network: torch.nn.Module, family: VLMFamily, plan: Mapping[str, str],
                       requested: Any) -> str:
     """A PEFT ``target_modules`` regex (full match on module names) for the linear layers of the ``lora``
     parts; ``requested`` (the recipe's ``target_modules``: ``all-linear``, unset, or layer names) picks
     which of their layers."""
     lora_parts = {p for p, m in plan.items() if m == "lora"}
-    available = _linear_leaves(hf_model, family, lora_parts)
+    available = _linear_leaves(network, family, lora_parts)
     if requested in (None, "all-linear"):
         leaves = available
     elif isinstance(requested, str):
@@ -111,8 +120,8 @@ def lora_target_regex(hf_model: torch.nn.Module, family: VLMFamily, plan: Mappin
             raise ConfigError(f"model.adapter.target_modules {sorted(requested)} names no linear layer of the "
                               f"parts trained with LoRA ({', '.join(sorted(lora_parts))}); they have: "
                               f"{', '.join(available)}")
-    output = hf_model.get_output_embeddings()
-    modules = dict(hf_model.named_modules())
+    output = network.get_output_embeddings()
+    modules = dict(network.named_modules())
     # LoRA never goes on the LM head (as PEFT's all-linear): the roots are the modules holding layers
     roots = [p for part in lora_parts for p in family.prefixes(part) if modules.get(p) is not output]
     # prefixes of other parts nested inside a LoRA root (Qwen's merger inside the vision module)
@@ -123,10 +132,10 @@ def lora_target_regex(hf_model: torch.nn.Module, family: VLMFamily, plan: Mappin
     return (f"^{exclude}(?:{alt(map(re.escape, roots))})\\.(?:.*\\.)?(?:{alt(map(re.escape, leaves))})$")
 
 
-def full_part_modules(hf_model: torch.nn.Module, family: VLMFamily, plan: Mapping[str, str]) -> list[str]:
+def full_part_modules(network: torch.nn.Module, family: VLMFamily, plan: Mapping[str, str]) -> list[str]:
     """Module names that PEFT's ``modules_to_save`` must copy to train the ``full`` parts: each part's
     roots, or, where a root holds another part that is not ``full``, its children with parameters."""
-    modules = dict(hf_model.named_modules())
+    modules = dict(network.named_modules())
     names: list[str] = []
     for part, mode in plan.items():
         if mode != "full":
@@ -166,10 +175,10 @@ class TrainablePartsMixin:
         return plan_from_options(self.options)
 
     def prepare_parts(self, model: Any) -> None:
-        apply_plan(model.hf_model, self.parts_plan)
+        apply_plan(model.network, self.parts_plan)
 
     def adapter_config(self, model: Any, config: Any) -> Any:
-        return adapter_config(model.hf_model, config, self.parts_plan)
+        return adapter_config(model.network, config, self.parts_plan)
 
     def next_training_batch(self, model: Any, draw: Any) -> Any:
         # the adapter is added after prepare_model, so a LoRA part without one shows only when training starts
@@ -179,11 +188,11 @@ class TrainablePartsMixin:
         return super().next_training_batch(model, draw)  # type: ignore[misc]
 
 
-def trainable_parts(hf_model: torch.nn.Module) -> dict[str, int]:
+def trainable_parts(network: torch.nn.Module) -> dict[str, int]:
     """Trainable parameter count per part (for logs and tests)."""
-    family = family_for(hf_model)
+    family = family_for(network)
     counts = dict.fromkeys(PARTS, 0)
-    for name, param in hf_model.named_parameters():
+    for name, param in network.named_parameters():
         if param.requires_grad:
             counts[part_of(name, family)] += param.numel()
     return counts

@@ -249,14 +249,14 @@ class VLMTask(TrainablePartsMixin, Task):
 
     def prepare_model(self, model: Any) -> None:
         self.prepare_parts(model)  # train_vision / train_projector / train_language (twinkle_vlm.parts)
-        self._rope_index = find_rope_index(getattr(model, "hf_model", None))
+        self._rope_index = find_rope_index(model.network)
         self._rope_checked = True
 
     def prepare_batch(self, model: Any, batch: dict[str, Any]) -> dict[str, Any]:
         """Qwen-VL models: add the 3-D RoPE positions their own ``get_rope_index`` computes (see
         :mod:`twinkle_vlm.packing`), so packed rows restart per sample and padded rows skip their padding."""
         if not self._rope_checked:  # a script that skipped prepare_model: find the RoPE only, change no weights
-            self._rope_index = find_rope_index(getattr(model, "hf_model", None))
+            self._rope_index = find_rope_index(model.network)
             self._rope_checked = True
         if self._rope_index is None:
             return batch

@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from twinkle_backend_hf.sequence_parallel import ulysses
-from twinkle_backend_hf.strategies import _dist
+from twinkle_backend_hf.strategies.collectives import ensure_process_group
 from twinkle_backend_hf.strategies.ddp import DDPStrategy
+from twinkle_backend_hf.strategies.model_parts import base_model
 from twinkle_core import distributed
 from twinkle_core.capabilities import check_mesh
 from twinkle_core.errors import ConfigError
@@ -86,7 +87,7 @@ class SequenceParallelStrategy(DDPStrategy):
         except ConfigError as exc:
             raise ConfigError(f"strategy 'ulysses': {exc} (own options: {', '.join(_OWN_OPTIONS)})") from None
         if inner_attn_implementation is not None:
-            ulysses._inner_function(inner_attn_implementation)  # validate early
+            ulysses.inner_attention_function(inner_attn_implementation)  # validate early
         self.options.update(inner_attn_implementation=inner_attn_implementation, pad_token_id=pad_token_id,
                             ignore_index=ignore_index, gather_eval_outputs=gather_eval_outputs,
                             shift_keys=tuple(shift_keys))
@@ -100,7 +101,7 @@ class SequenceParallelStrategy(DDPStrategy):
     def setup(self, accelerator: Accelerator) -> None:
         import torch.distributed as dist
 
-        _dist.ensure_process_group(accelerator.dist_backend)
+        ensure_process_group(accelerator.dist_backend)
         if self.mesh is None:  # default: one SP group over every rank
             self.mesh = DeviceMesh(sp=distributed.world_size())
         Strategy.setup(self, accelerator)
@@ -132,7 +133,7 @@ class SequenceParallelStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ module
     def _switch_attention(self, module: torch.nn.Module) -> None:
-        model = _dist.base_model(module)
+        model = base_model(module)
         config = getattr(model, "config", None)
         if config is None or not hasattr(model, "set_attn_implementation"):
             raise ConfigError(f"strategy 'ulysses' needs a transformers model; got {type(model).__name__}")

@@ -256,7 +256,8 @@ def _repeat_heads(x: torch.Tensor, factor: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, factor, s, d).reshape(b, h * factor, s, d)
 
 
-def _inner_function(name: str) -> Callable[..., Any]:
+def inner_attention_function(name: str) -> Callable[..., Any]:
+    """The registered attention function Ulysses wraps (``name`` must be one of ``SUPPORTED_INNER``)."""
     from transformers import AttentionInterface
 
     if name not in SUPPORTED_INNER:
@@ -273,7 +274,7 @@ def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
 
     Returns ``([B, S/P, H, D], None)`` like the built-in functions.
     """
-    inner_fn = _inner_function(inner)
+    inner_fn = inner_attention_function(inner)
     group, size = _STATE.group, _STATE.size
     if size == 1:
         return inner_fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -323,7 +324,7 @@ def register_ulysses_attention(inner: str = "sdpa") -> str:
 
     from transformers import AttentionInterface
 
-    _inner_function(inner)  # validates
+    inner_attention_function(inner)  # validates
     name = ATTENTION_PREFIX + inner
     if name not in AttentionInterface._global_mapping:
         fn = update_wrapper(partial(ulysses_attention_forward, inner=inner), ulysses_attention_forward)
@@ -424,8 +425,33 @@ def shard_batch(batch: dict[str, Any], sp_size: int, sp_rank: int, *, ignore_ind
     pad = padded - length
     info = ShardInfo(length=length, padded_length=padded, sp_size=sp_size, sp_rank=sp_rank)
     local = padded // sp_size
-    lo, hi = sp_rank * local, (sp_rank + 1) * local
+    chunk = slice(sp_rank * local, (sp_rank + 1) * local)
+    positions = _global_positions(batch, ref, rows, length, pad)
 
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key in ("attention_mask", "position_ids", "labels"):
+            continue
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[0] != rows:
+            out[key] = value
+        elif key in model_keys:
+            if value.shape[1] != length:
+                raise ValueError(f"{key} has shape {tuple(value.shape)}; expected sequence length {length}")
+            fill = pad_token_id if key == "input_ids" else 0
+            out[key] = _pad_seq(value, pad, fill)[:, chunk]
+        else:
+            out[key] = _loss_side_chunk(key, value, length, pad, chunk, ignore_index=ignore_index,
+                                        shift=key in shift_keys)
+    labels = batch.get("labels")
+    if labels is not None and "shift_labels" not in batch:
+        out["shift_labels"] = _pad_seq(_shift(labels, ignore_index), pad, ignore_index)[:, chunk]
+    out["position_ids"] = positions[:, chunk].contiguous()
+    return out, info
+
+
+def _global_positions(batch: dict[str, Any], ref: torch.Tensor, rows: int, length: int, pad: int) -> torch.Tensor:
+    """The batch's global ``position_ids`` (``arange`` when absent), with left padding isolated (see
+    :func:`_positions_from_mask`) and continued over the ``pad`` alignment columns."""
     positions = batch.get("position_ids")
     if positions is None:
         positions = torch.arange(length, device=ref.device).expand(rows, -1)
@@ -443,31 +469,18 @@ def shard_batch(batch: dict[str, Any], sp_size: int, sp_rank: int, *, ignore_ind
     if pad:
         tail = positions[:, -1:] + torch.arange(1, pad + 1, device=positions.device)
         positions = torch.cat([positions, tail], dim=1)
+    return positions
 
-    out: dict[str, Any] = {}
-    for key, value in batch.items():
-        if key in ("attention_mask", "position_ids", "labels"):
-            continue
-        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[0] != rows:
-            out[key] = value
-            continue
-        if key in model_keys:
-            if value.shape[1] != length:
-                raise ValueError(f"{key} has shape {tuple(value.shape)}; expected sequence length {length}")
-            fill = pad_token_id if key == "input_ids" else 0
-            out[key] = _pad_seq(value, pad, fill)[:, lo:hi]
-            continue
-        fill = _fill_value(key, value, ignore_index)
-        if value.shape[1] == length:
-            aligned = _shift(value, fill) if key in shift_keys else value
-        elif value.shape[1] == length - 1:
-            aligned = _pad_seq(value, 1, fill)
-        else:
-            out[key] = value
-            continue
-        out[key] = _pad_seq(aligned, pad, fill)[:, lo:hi]
-    labels = batch.get("labels")
-    if labels is not None and "shift_labels" not in batch:
-        out["shift_labels"] = _pad_seq(_shift(labels, ignore_index), pad, ignore_index)[:, lo:hi]
-    out["position_ids"] = positions[:, lo:hi].contiguous()
-    return out, info
+
+def _loss_side_chunk(key: str, value: torch.Tensor, length: int, pad: int, chunk: slice, *, ignore_index: int,
+                     shift: bool) -> torch.Tensor:
+    """This rank's chunk of a per-token tensor the loss reads, aligned with ``shift_labels`` (``shift``: it is
+    aligned with ``labels`` and shifted first); a tensor of another length passes unchanged."""
+    fill = _fill_value(key, value, ignore_index)
+    if value.shape[1] == length:
+        aligned = _shift(value, fill) if shift else value
+    elif value.shape[1] == length - 1:
+        aligned = _pad_seq(value, 1, fill)
+    else:
+        return value
+    return _pad_seq(aligned, pad, fill)[:, chunk]

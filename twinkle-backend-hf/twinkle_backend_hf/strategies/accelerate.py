@@ -20,17 +20,20 @@ by the CPU test suite; the CPU delegation is.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from twinkle_backend_hf.strategies import _dist
 from twinkle_backend_hf.strategies.fsdp import NativeFSDPStrategy
+from twinkle_backend_hf.strategies.model_parts import transformer_blocks
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
 from twinkle_core.mesh import DeviceMesh
 
 if TYPE_CHECKING:
     from twinkle_core.accelerator import Accelerator
+
+logger = logging.getLogger("twinkle.strategies")
 
 _CPU_REASON = ("on CPU, Accelerate does not apply its FullyShardedDataParallelPlugin (it wraps the model in DDP, or, "
                "as accelerate 1.16 under torchrun does, not at all): every rank would hold the whole model")
@@ -71,9 +74,9 @@ class AccelerateStrategy(NativeFSDPStrategy):
                                            f"strategy 'native_fsdp', or drop strict to let Twinkle delegate to it")
         self.delegated_to = NativeFSDPStrategy.name
         if self.is_main_process:
-            _dist.logger.warning("strategy 'accelerate': %s; Twinkle delegates to 'native_fsdp' (torch fully_shard, "
-                                 "parameters sharded over %d ranks) instead. Pass strategy_options={'strict': True} "
-                                 "to make this an error.", reason, self.mesh.data_parallel_size)
+            logger.warning("strategy 'accelerate': %s; Twinkle delegates to 'native_fsdp' (torch fully_shard, "
+                           "parameters sharded over %d ranks) instead. Pass strategy_options={'strict': True} "
+                           "to make this an error.", reason, self.mesh.data_parallel_size)
 
     # ------------------------------------------------------------------ GPU path (Accelerate)
     def _build_accelerator(self) -> Any:
@@ -84,9 +87,9 @@ class AccelerateStrategy(NativeFSDPStrategy):
         plugin_kwargs = {"fsdp_version": 2, "auto_wrap_policy": "transformer_based_wrap",
                          "reshard_after_forward": self.options["reshard_after_forward"]}
         if self.options["mixed_precision"] not in (None, "no"):
-            plugin_kwargs["mixed_precision_policy"] = self._mp_policy()
+            plugin_kwargs["mixed_precision_policy"] = self.mixed_precision_policy()
         plugin_kwargs.update(self.options["plugin_options"])
-        kwargs: dict[str, Any] = {"mixed_precision": "no"}  # Twinkle's precision plugin does autocast/scaling
+        kwargs: dict[str, Any] = {"mixed_precision": "no"}  # the strategy applies the precision (autocast, scaling)
         if self.mesh.dp > 1 and self.mesh.fsdp > 1:
             from accelerate.parallelism_config import ParallelismConfig
 
@@ -113,7 +116,7 @@ class AccelerateStrategy(NativeFSDPStrategy):
         plugin = self._accelerate.state.fsdp_plugin
         plugin.auto_wrap_policy = transformer_auto_wrap_policy
         plugin.transformer_cls_names_to_wrap = (self.options["plugin_options"].get("transformer_cls_names_to_wrap")
-                                                or sorted({type(b).__name__ for b in _dist.transformer_blocks(module)}))
+                                                or sorted({type(b).__name__ for b in transformer_blocks(module)}))
         prepared = self._accelerate.prepare(module)  # model only: the optimizer is built from the shards next
         if prepared is not module or not isinstance(prepared, FSDPModule):
             raise ConfigError(f"Accelerate returned {type(prepared).__name__} instead of sharding the model in place; "

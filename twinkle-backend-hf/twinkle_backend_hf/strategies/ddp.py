@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from twinkle_backend_hf.strategies import _dist
+from twinkle_backend_hf.strategies.collectives import ensure_process_group
+from twinkle_backend_hf.strategies.model_parts import all_adapters_trainable, peft_adapter_names
 from twinkle_core.capabilities import check_mesh
 from twinkle_core.errors import ConfigError
 from twinkle_core.strategy import Strategy
@@ -31,6 +33,8 @@ from twinkle_core.strategy import Strategy
 if TYPE_CHECKING:
     from twinkle_core.accelerator import Accelerator
     from twinkle_core.precision import Precision
+
+logger = logging.getLogger("twinkle.strategies")
 
 
 class DDPStrategy(Strategy):
@@ -50,7 +54,7 @@ class DDPStrategy(Strategy):
         self._skip_sync = False
 
     def setup(self, accelerator: Accelerator) -> None:
-        _dist.ensure_process_group(accelerator.dist_backend)
+        ensure_process_group(accelerator.dist_backend)
         super().setup(accelerator)
         check_mesh(self.name, self.mesh, self.mesh_dimensions)
 
@@ -60,13 +64,13 @@ class DDPStrategy(Strategy):
 
         if isinstance(module, DistributedDataParallel):
             return module
-        several_adapters = len(_dist.peft_adapter_names(module)) > 1
+        several_adapters = len(peft_adapter_names(module)) > 1
         find_unused = self.options["find_unused_parameters"]
         if find_unused is None:
             find_unused = several_adapters
         elif not find_unused and several_adapters:
-            _dist.logger.warning("ddp: find_unused_parameters=False with several PEFT adapters; the second step "
-                                 "that trains another adapter will fail in DDP's reducer")
+            logger.warning("ddp: find_unused_parameters=False with several PEFT adapters; the second step "
+                           "that trains another adapter will fail in DDP's reducer")
         kwargs: dict[str, Any] = {"find_unused_parameters": find_unused}
         # torch >= 2.12 renamed broadcast_buffers to forward_sync_buffers
         sync_key = ("forward_sync_buffers" if "forward_sync_buffers" in
@@ -78,7 +82,7 @@ class DDPStrategy(Strategy):
         if device.type != "cpu":
             kwargs["device_ids"] = [device.index]
             kwargs["output_device"] = device.index
-        with _dist.all_adapters_trainable(module):
+        with all_adapters_trainable(module):
             if not any(p.requires_grad for p in module.parameters()):
                 return module  # a frozen model (a reference or teacher) has no gradients to synchronise
             wrapped = DistributedDataParallel(module, **kwargs)

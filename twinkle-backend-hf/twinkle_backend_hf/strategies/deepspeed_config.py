@@ -9,15 +9,33 @@ dict is merged on top (nested dicts key by key) and checked for settings that wo
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twinkle_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from twinkle_core.precision import Precision
 
 #: sections Twinkle manages itself; setting them in ``config`` would silently fight Twinkle's own
 _OWNED_SECTIONS = {
     "optimizer": "pass the optimizer to set_optimizer() instead",
     "scheduler": "use set_lr_scheduler() instead",
 }
+
+
+_FP16_UNSUPPORTED = ("precision 'fp16' is not supported with strategy 'deepspeed' (its torch GradScaler cannot see "
+                     "DeepSpeed's partitioned gradients); use precision 'bf16' or 'no'")
+
+
+def engine_bf16(precision: Precision | None, user_config: dict[str, Any]) -> bool:
+    """Whether the engine runs DeepSpeed's bf16 mode: bf16 autocast means it does; fp16 is refused (DeepSpeed
+    owns the loss scaling). A ``bf16`` section of the user config has the last word, as it has in the
+    generated config."""
+    autocast_dtype = precision.autocast_dtype if precision is not None else None
+    if autocast_dtype == "float16":
+        raise ConfigError(_FP16_UNSUPPORTED)
+    configured = (user_config.get("bf16") or {}).get("enabled")
+    return bool(autocast_dtype == "bfloat16" if configured is None else configured)
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """The gradient side of :class:`~twinkle_backend_hf.strategies.deepspeed.DeepSpeedStrategy`.
 
-Backward into the ZeRO partitions (boundary / non-boundary micro-steps), scaling and clipping the
-partitioned gradients, the optimizer step on the shared engine, and dropping gradients that will not be
-stepped. The hooks live in a mixin so the strategy class stays readable; they rely on the strategy's
-``stage``, ``dp_group``, ``accelerator``, ``_in_no_sync``, ``_engine`` and ``_wrapper``.
+:class:`ZeroGradients` works on one engine's ZeRO partitions: backward into them (boundary / non-boundary
+micro-steps), scaling and clipping the partitioned gradients, the optimizer step on the shared engine, and
+dropping gradients that will not be stepped. The strategy hands each call the engine, the wrapped module and
+the optimizer's handle; the object keeps only the ZeRO stage.
 """
 
 from __future__ import annotations
@@ -16,63 +16,57 @@ import torch
 from twinkle_backend_hf.strategies.deepspeed_module import DeepSpeedHandle, DeepSpeedModule
 from twinkle_core import distributed
 from twinkle_core.errors import ConfigError
-from twinkle_core.strategy import OptimizerHandle
 
 #: tells "the optimizer had no instance-level ``step``" apart from any value it could have had
 _MISSING = object()
 
 
-class _DeepSpeedGradients:
-    """Mixed into :class:`~twinkle_backend_hf.strategies.deepspeed.DeepSpeedStrategy` (before ``Strategy``,
-    so ``super()`` reaches the plain-torch behaviour used before the engine exists)."""
+class ZeroGradients:
+    """The gradients of one ZeRO engine (``stage`` 1, 2 or 3), reached through its public per-parameter APIs."""
 
-    def backward(self, loss: torch.Tensor, module: torch.nn.Module, handle: OptimizerHandle | None) -> None:
-        engine = self._engine(module)
-        if engine is None:
-            loss.backward()
-            return
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+
+    def backward(self, engine: Any, wrapped: DeepSpeedModule, handle: DeepSpeedHandle | None, loss: torch.Tensor,
+                 *, accumulating: bool) -> None:
+        """Back-propagate ``loss`` into ``handle``'s partitions; ``accumulating``: a micro-step that is not the
+        last before a step (a DeepSpeed non-boundary backward)."""
         if handle is None:
             raise ConfigError("strategy 'deepspeed' back-propagates into an optimizer's gradient partitions: call "
                               "set_optimizer for this adapter (or the model) before its backward")
-        if any(other.gradients for other in self._wrapper(module).handles if other is not handle):
+        if any(other.gradients for other in wrapped.handles if other is not handle):
             raise ConfigError("strategy 'deepspeed' holds one set of partitioned gradients for all adapters: "
                               "finish one adapter's optimizer step (clip_grad_and_step) before back-propagating "
                               "another adapter's loss")
         reduced = handle.gradients == "reduced"
         # Once a boundary backward has reduced the gradients, any further backward before the step must
         # be a boundary too (its gradients have to reach the same partitions).
-        boundary = reduced or not self._in_no_sync
+        boundary = reduced or not accumulating
         carried = None
         if reduced and self.stage < 3:
             # ZeRO-1/2 rebuild the partitioned gradients from this backward alone at a second boundary;
             # keep the first boundary's and add them back (ZeRO-3 accumulates by itself).
-            carried = [(p, g.detach().clone())
-                       for p, g in self._grad_pieces(engine, handle.parameters, tolerant=True)]
+            carried = [(p, g.detach().clone()) for p, g in self.pieces(engine, handle.parameters, tolerant=True)]
         engine.set_gradient_accumulation_boundary(boundary)
         # scale_wrt_gas=False: the loss is a token sum; Twinkle divides by the global token count.
         engine.backward(loss, scale_wrt_gas=False)
         if carried:
-            now = {id(p): g for p, g in self._grad_pieces(engine, [p for p, _ in carried], tolerant=True)}
+            now = {id(p): g for p, g in self.pieces(engine, [p for p, _ in carried], tolerant=True)}
             for p, previous in carried:
                 if id(p) in now:
                     now[id(p)].add_(previous.to(now[id(p)].device, now[id(p)].dtype))
         handle.gradients = "reduced" if boundary else "accumulating"
 
-    def _grad_pieces(self, engine: Any, parameters: list[torch.nn.Parameter], *,
-                     tolerant: bool = False) -> list[tuple[Any, torch.Tensor]]:
+    def pieces(self, engine: Any, parameters: list[torch.nn.Parameter], *,
+               tolerant: bool = False) -> list[tuple[Any, torch.Tensor]]:
         """This rank's share of each parameter's gradient: ``(param, tensor)``, disjoint across ranks.
         ``tolerant``: leave out parameters DeepSpeed holds no reduced gradient for."""
-        pieces: list[tuple[Any, torch.Tensor]] = []
         if self.stage == 3:
             from deepspeed.utils import safe_get_local_grad
 
-            for p in parameters:
-                if not hasattr(p, "ds_id"):
-                    continue
-                grad = safe_get_local_grad(p)
-                if grad is not None:
-                    pieces.append((p, grad))
-            return pieces
+            local = [(p, safe_get_local_grad(p)) for p in parameters if hasattr(p, "ds_id")]
+            return [(p, grad) for p, grad in local if grad is not None]
+        pieces: list[tuple[Any, torch.Tensor]] = []
         for p in parameters:
             mapping = getattr(p, "_hp_mapping", None)
             if mapping is None:  # no fragment of this parameter is owned by this rank
@@ -90,7 +84,7 @@ class _DeepSpeedGradients:
             pieces.append((p, grad))
         return pieces
 
-    def _multiply(self, pieces: list[tuple[Any, torch.Tensor]], factor: float) -> None:
+    def multiply(self, pieces: list[tuple[Any, torch.Tensor]], factor: float) -> None:
         if factor == 1.0:
             return
         if self.stage == 3:
@@ -103,7 +97,7 @@ class _DeepSpeedGradients:
             grad.mul_(factor)
 
     @staticmethod
-    def _has_reduced_gradients(handle: DeepSpeedHandle) -> bool:
+    def has_reduced_gradients(handle: DeepSpeedHandle) -> bool:
         """Whether ``handle``'s optimizer has reduced gradients waiting in the partitions."""
         if handle.gradients == "accumulating":
             raise ConfigError("strategy 'deepspeed': the optimizer step came before the last micro-batch of the "
@@ -111,47 +105,40 @@ class _DeepSpeedGradients:
                               "reduced the gradients; step after the last micro-batch (clip_grad_and_step does)")
         return handle.gradients == "reduced"
 
-    def scale_gradients(self, module: torch.nn.Module, handle: OptimizerHandle, factor: float) -> None:
-        engine = self._engine(module, create=True)
-        if engine is None:
-            return super().scale_gradients(module, handle, factor)
-        if self._has_reduced_gradients(handle):
-            self._multiply(self._grad_pieces(engine, handle.parameters), factor)
+    def scale(self, engine: Any, handle: DeepSpeedHandle, factor: float) -> None:
+        if self.has_reduced_gradients(handle):
+            self.multiply(self.pieces(engine, handle.parameters), factor)
 
-    def clip_grad_norm(self, module: torch.nn.Module, handle: OptimizerHandle, max_norm: float,
-                       norm_type: float = 2.0) -> torch.Tensor:
-        engine = self._engine(module, create=True)
-        if engine is None:
-            return super().clip_grad_norm(module, handle, max_norm, norm_type)
-        if not self._has_reduced_gradients(handle):
+    def clip(self, engine: Any, handle: DeepSpeedHandle, max_norm: float, norm_type: float, *,
+             device: torch.device, group: Any) -> torch.Tensor:
+        """Clip ``handle``'s partitioned gradients in place; return the global pre-clip norm (reduced over
+        ``group``, the data-parallel ranks)."""
+        if not self.has_reduced_gradients(handle):
             return torch.zeros((), dtype=torch.float64)  # no gradients, like torch's clip_grad_norm_
-        device = self.accelerator.device() if self.accelerator is not None else torch.device("cpu")
-        pieces = self._grad_pieces(engine, handle.parameters)
+        pieces = self.pieces(engine, handle.parameters)
         norm_type = float(norm_type)
         if math.isinf(norm_type):
             local = max((float(g.detach().abs().max()) for _, g in pieces if g.numel()), default=0.0)
             total = torch.tensor(local, dtype=torch.float64, device=device)
             if torch.distributed.is_initialized():
-                torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX, group=self.dp_group)
+                torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX, group=group)
         else:
             local = torch.zeros((), dtype=torch.float64, device=device)
             for _, g in pieces:
                 local += torch.linalg.vector_norm(g.detach().to(device), norm_type, dtype=torch.float64) ** norm_type
-            total = distributed.all_reduce_sum(local, group=self.dp_group) ** (1.0 / norm_type)
+            total = distributed.all_reduce_sum(local, group=group) ** (1.0 / norm_type)
         total = total.cpu()
         if math.isfinite(max_norm) and math.isfinite(float(total)):
             coefficient = max_norm / (float(total) + 1e-6)
             if coefficient < 1.0:
-                self._multiply(pieces, coefficient)
+                self.multiply(pieces, coefficient)
         return total
 
-    def optimizer_step(self, module: torch.nn.Module, handle: OptimizerHandle) -> bool:
-        engine = self._engine(module, create=True)
-        if engine is None:
-            return super().optimizer_step(module, handle)
-        if not self._has_reduced_gradients(handle):
+    def step(self, engine: Any, wrapped: DeepSpeedModule, handle: DeepSpeedHandle) -> bool:
+        """Step ``handle``'s optimizer on the shared engine; False when DeepSpeed skipped the step."""
+        if not self.has_reduced_gradients(handle):
             return True  # this optimizer has no gradients since its last step: like torch, a no-op
-        group = self._wrapper(module).optimizer_group
+        group = wrapped.optimizer_group
         if group is not None:
             group.active = handle.optimizer
         try:
@@ -163,42 +150,43 @@ class _DeepSpeedGradients:
             handle.gradients = None
         return bool(engine.was_step_applied())
 
-    def zero_grad(self, module: torch.nn.Module, handle: OptimizerHandle) -> None:
-        engine = self._engine(module)
-        if engine is not None and handle.gradients is not None:
-            self._discard_gradients(self._wrapper(module), engine, handle)
-        super().zero_grad(module, handle)
-
-    def _discard_gradients(self, wrapped: DeepSpeedModule, engine: Any, handle: DeepSpeedHandle) -> None:
+    def discard(self, engine: Any, wrapped: DeepSpeedModule, handle: DeepSpeedHandle) -> None:
         """Drop gradients that will not be stepped (a skipped non-finite step, ``zero_grad`` without ``step``)."""
         try:
             if handle.gradients == "reduced":
-                # Let DeepSpeed's step bookkeeping release the reduced gradients, with the torch optimizer's
-                # update switched off, so no weight and no optimizer state moves.
-                target = wrapped.optimizer_group if wrapped.optimizer_group is not None else handle.optimizer
-                previous = target.__dict__.get("step", _MISSING)
-                target.step = lambda *args, **kwargs: None  # an instance attribute shadows the method
-                try:
-                    engine.set_gradient_accumulation_boundary(True)
-                    engine.step()
-                finally:
-                    if previous is _MISSING:
-                        del target.step
-                    else:
-                        target.step = previous
+                self._release_reduced(engine, wrapped, handle)
             elif self.stage == 3:
                 # Mid-accumulation: ZeRO-3's zero_grad restarts its micro-step count, so the next backward
                 # overwrites the partially accumulated partitions instead of adding to them.
                 engine.optimizer.zero_grad(set_to_none=True)
             else:
-                # Mid-accumulation: ZeRO-1/2 keep the micro-steps' gradients in their accumulation buffers;
-                # clear them the way DeepSpeed's own overflow handling in step() does.
-                zero = engine.optimizer
-                zero.zero_grad(set_to_none=True)
-                for buffers in (getattr(zero, "averaged_gradients", {}), getattr(zero, "all_grad_tensors", {})):
-                    for key in list(buffers):
-                        buffers[key] = None
-                if hasattr(zero, "micro_step_id"):
-                    zero.micro_step_id = -1  # DeepSpeed's INITIAL_MICRO_STEP_ID: the next backward starts afresh
+                self._clear_accumulation_buffers(engine.optimizer)
         finally:
             handle.gradients = None
+
+    @staticmethod
+    def _release_reduced(engine: Any, wrapped: DeepSpeedModule, handle: DeepSpeedHandle) -> None:
+        """Let DeepSpeed's step bookkeeping release the reduced gradients, with the torch optimizer's update
+        switched off, so no weight and no optimizer state moves."""
+        target = wrapped.optimizer_group if wrapped.optimizer_group is not None else handle.optimizer
+        previous = target.__dict__.get("step", _MISSING)
+        target.step = lambda *args, **kwargs: None  # an instance attribute shadows the method
+        try:
+            engine.set_gradient_accumulation_boundary(True)
+            engine.step()
+        finally:
+            if previous is _MISSING:
+                del target.step
+            else:
+                target.step = previous
+
+    @staticmethod
+    def _clear_accumulation_buffers(zero: Any) -> None:
+        """Mid-accumulation: ZeRO-1/2 keep the micro-steps' gradients in their accumulation buffers; clear them
+        the way DeepSpeed's own overflow handling in step() does."""
+        zero.zero_grad(set_to_none=True)
+        for buffers in (getattr(zero, "averaged_gradients", {}), getattr(zero, "all_grad_tensors", {})):
+            for key in list(buffers):
+                buffers[key] = None
+        if hasattr(zero, "micro_step_id"):
+            zero.micro_step_id = -1  # DeepSpeed's INITIAL_MICRO_STEP_ID: the next backward starts afresh

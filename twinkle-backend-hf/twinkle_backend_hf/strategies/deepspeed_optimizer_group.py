@@ -1,8 +1,7 @@
 """Several torch optimizers (one per adapter) presented to one DeepSpeed engine as one optimizer.
 
-DeepSpeed takes exactly one optimizer per engine; :class:`_OptimizerGroup` lets adapters share the engine
-while each optimizer step moves only the adapter whose step it is. Re-exported by
-:mod:`twinkle_backend_hf.strategies.deepspeed`.
+DeepSpeed takes exactly one optimizer per engine; :class:`OptimizerGroup` lets adapters share the engine
+while each optimizer step moves only the adapter whose step it is.
 """
 
 from __future__ import annotations
@@ -17,10 +16,10 @@ from twinkle_core.errors import ConfigError
 
 
 class _RoutedState(collections.abc.MutableMapping):
-    """``optimizer.state`` of an :class:`_OptimizerGroup`: each key lives in the state of the optimizer
+    """``optimizer.state`` of an :class:`OptimizerGroup`: each key lives in the state of the optimizer
     whose parameter groups hold it (DeepSpeed reads and writes ``optimizer.state[flat_partition]``)."""
 
-    def __init__(self, group: _OptimizerGroup) -> None:
+    def __init__(self, group: OptimizerGroup) -> None:
         self._group = group
 
     def _owner(self, key: Any) -> torch.optim.Optimizer:
@@ -53,7 +52,7 @@ class _RoutedState(collections.abc.MutableMapping):
         return any(key in optimizer.state for optimizer in self._group.optimizers)
 
 
-class _OptimizerGroup(torch.optim.Optimizer):
+class OptimizerGroup(torch.optim.Optimizer):
     """Several torch optimizers presented to one DeepSpeed engine as one.
 
     Its ``param_groups`` are the members' group dicts themselves (DeepSpeed rewrites
@@ -65,9 +64,10 @@ class _OptimizerGroup(torch.optim.Optimizer):
         self.optimizers = list(optimizers)
         self.active: torch.optim.Optimizer | None = None
         super().__init__([g for o in self.optimizers for g in o.param_groups], {})
-        self._refresh_groups()
+        self.refresh_groups()
 
-    def _refresh_groups(self) -> None:
+    def refresh_groups(self) -> None:
+        """Point ``param_groups`` at the members' group dicts again (after a load, or after ZeRO-3 emptied them)."""
         self.param_groups = [g for o in self.optimizers for g in o.param_groups]
 
     @property  # type: ignore[override]
@@ -108,5 +108,5 @@ class _OptimizerGroup(torch.optim.Optimizer):
                               f"{len(self.optimizers)}")
         for optimizer, member in zip(self.optimizers, members, strict=True):
             optimizer.load_state_dict(member)
-        self._refresh_groups()  # torch's load_state_dict replaces the group dicts
+        self.refresh_groups()  # torch's load_state_dict replaces the group dicts
 

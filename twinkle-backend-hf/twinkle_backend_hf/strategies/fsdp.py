@@ -12,8 +12,10 @@ Options:
 
 * ``reshard_after_forward`` (default ``True``) — ``False`` keeps the gathered weights until the
   backward (ZeRO-2 like: more memory, fewer all-gathers).
-* ``mixed_precision`` — ``"bf16"`` / ``"fp16"`` (or a ``MixedPrecisionPolicy``): the weights are
-  gathered and computed in that dtype; gradients are reduced in fp32.
+* ``mixed_precision`` — by default derived from the model's precision (:mod:`.fsdp_precision`): the weights
+  are gathered as stored and the precision's autocast computes in its dtype. ``"bf16"`` / ``"fp16"`` (or a
+  ``MixedPrecisionPolicy``) gathers the weights in that dtype too, with gradients reduced in fp32; it must
+  match the precision (``precision="bf16"`` with ``"fp16"`` is a configuration error).
 * ``full_state_dict_on_all_ranks`` (default ``True``) — ``get_state_dict`` is complete on every
   rank, gathered one tensor at a time to CPU. ``False``: complete on rank 0 only (DCP's
   ``full_state_dict + cpu_offload``), which saves host memory for big models; other ranks get ``{}``.
@@ -25,13 +27,16 @@ a sharded DCP checkpoint in ``<state dir>/optimizer_dcp/`` that each rank writes
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from twinkle_backend_hf.strategies import _dist
+from twinkle_backend_hf.strategies.collectives import device_mesh, ensure_process_group, grad_norm
+from twinkle_backend_hf.strategies.fsdp_precision import check_mixed_precision, mixed_precision_policy
+from twinkle_backend_hf.strategies.model_parts import transformer_blocks
 from twinkle_core import distributed
 from twinkle_core.capabilities import check_mesh
 from twinkle_core.errors import ConfigError
@@ -41,6 +46,8 @@ from twinkle_core.strategy import OptimizerHandle, Strategy
 if TYPE_CHECKING:
     from twinkle_core.accelerator import Accelerator
     from twinkle_core.precision import Precision
+
+logger = logging.getLogger("twinkle.strategies")
 
 OPTIMIZER_DIR = "optimizer_dcp"
 
@@ -65,13 +72,18 @@ class NativeFSDPStrategy(Strategy):
         if options:
             raise ConfigError(f"strategy {self.name!r} got unknown option(s) {sorted(options)}; known: "
                               f"reshard_after_forward, mixed_precision, full_state_dict_on_all_ranks")
-        super().__init__(mesh, precision=precision, reshard_after_forward=reshard_after_forward, mixed_precision=mixed_precision,
-                         full_state_dict_on_all_ranks=full_state_dict_on_all_ranks)
+        super().__init__(mesh, precision=precision, reshard_after_forward=reshard_after_forward,
+                         mixed_precision=mixed_precision, full_state_dict_on_all_ranks=full_state_dict_on_all_ranks)
+        check_mixed_precision(precision, mixed_precision)  # before anything is built
         self._device_mesh: Any = None
+
+    def bind_precision(self, precision: Precision) -> None:
+        super().bind_precision(precision)
+        check_mixed_precision(self.precision, self.options["mixed_precision"])
 
     # ------------------------------------------------------------------ process group
     def setup(self, accelerator: Accelerator) -> None:
-        _dist.ensure_process_group(accelerator.dist_backend)
+        ensure_process_group(accelerator.dist_backend)
         if self.mesh is None:
             self.mesh = DeviceMesh(fsdp=distributed.world_size())
         super().setup(accelerator)
@@ -83,24 +95,14 @@ class NativeFSDPStrategy(Strategy):
             device_type = self.accelerator.device_type if self.accelerator is not None else "cpu"
             dp, fsdp = self.mesh.dp, self.mesh.fsdp
             if dp > 1 and fsdp > 1:
-                self._device_mesh = _dist.device_mesh(device_type, (dp, fsdp), ("dp_replicate", "dp_shard"))
+                self._device_mesh = device_mesh(device_type, (dp, fsdp), ("dp_replicate", "dp_shard"))
             else:
-                self._device_mesh = _dist.device_mesh(device_type, (dp * fsdp,), ("dp_shard",))
+                self._device_mesh = device_mesh(device_type, (dp * fsdp,), ("dp_shard",))
         return self._device_mesh
 
-    def _mp_policy(self) -> Any:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        spec = self.options["mixed_precision"]
-        if spec is None or spec == "no":
-            return MixedPrecisionPolicy()
-        if isinstance(spec, MixedPrecisionPolicy):
-            return spec
-        dtypes = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-        if spec not in dtypes:
-            raise ConfigError(f"native_fsdp mixed_precision must be 'bf16', 'fp16', 'no' or a MixedPrecisionPolicy, "
-                              f"got {spec!r}")
-        return MixedPrecisionPolicy(param_dtype=dtypes[spec], reduce_dtype=torch.float32)
+    def mixed_precision_policy(self) -> Any:
+        """FSDP2's ``MixedPrecisionPolicy``, derived from the precision (see :mod:`.fsdp_precision`)."""
+        return mixed_precision_policy(self.precision, self.options["mixed_precision"])
 
     # ------------------------------------------------------------------ module
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -109,11 +111,11 @@ class NativeFSDPStrategy(Strategy):
         if _is_fsdp(module):
             return module
         kwargs = {"mesh": self.shard_mesh(), "reshard_after_forward": self.options["reshard_after_forward"],
-                  "mp_policy": self._mp_policy()}
-        blocks = _dist.transformer_blocks(module)
+                  "mp_policy": self.mixed_precision_policy()}
+        blocks = transformer_blocks(module)
         if not blocks:
-            _dist.logger.warning("native_fsdp: found no transformer blocks in %s; sharding the model as one unit "
-                                 "(every forward gathers all weights)", type(module).__name__)
+            logger.warning("native_fsdp: found no transformer blocks in %s; sharding the model as one unit "
+                           "(every forward gathers all weights)", type(module).__name__)
         for block in blocks:
             fully_shard(block, **kwargs)
         fully_shard(module, **kwargs)
@@ -150,7 +152,7 @@ class NativeFSDPStrategy(Strategy):
                        norm_type: float = 2.0) -> torch.Tensor:
         """Clip in place; return the global pre-clip norm (reduced over every shard) as a plain tensor."""
         grads = [p.grad for p in handle.parameters if p.grad is not None]
-        total = _dist.grad_norm(grads, norm_type)
+        total = grad_norm(grads, norm_type)
         coefficient = float(max_norm) / (float(total) + 1e-6)
         if grads and coefficient < 1.0:  # False for an infinite limit and for a NaN norm (the step is skipped)
             with torch.no_grad():

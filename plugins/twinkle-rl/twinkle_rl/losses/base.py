@@ -8,10 +8,12 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
-from twinkle_core.loss.base import Loss, LossContext, require_whole_sequences
+from twinkle_core.loss.base import LossContext, require_whole_sequences
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 from twinkle_rl import layout
+from twinkle_rl.losses.scoring import TokenScoringLoss
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class PairLogps:
         return len(self.pairs)
 
 
-class PreferenceLoss(Loss):
+class PreferenceLoss(TokenScoringLoss):
     """Base of the pairwise losses: options every one of them takes, and :meth:`pair_logps`.
 
     ``sft_weight`` adds ``sft_weight`` times the chosen answer's mean per-token NLL to each pair's loss
@@ -46,19 +48,12 @@ class PreferenceLoss(Loss):
 
     requires: ClassVar[frozenset[str]] = frozenset({layout.PREFERENCE_PAIRS})
 
-    def __init__(self, *, sft_weight: float = 0.0, ignore_index: int = -100,
+    def __init__(self, *, sft_weight: float = 0.0, ignore_index: int = IGNORE_INDEX,
                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         if sft_weight < 0:
             raise ConfigError(f"sft_weight must be >= 0, got {sft_weight}")
-        if chunk_size < 1:
-            raise ConfigError(f"chunk_size must be positive, got {chunk_size}")
+        super().__init__(ignore_index=ignore_index, chunk_size=chunk_size)
         self.sft_weight = float(sft_weight)
-        self.ignore_index = ignore_index
-        self.chunk_size = chunk_size
-
-    @property
-    def where(self) -> str:
-        return type(self).__name__
 
     def pair_logps(self, outputs: dict[str, Any], inputs: dict[str, Any],
                    context: LossContext | None = None) -> PairLogps:

@@ -26,12 +26,13 @@ from typing import Any, ClassVar
 
 import torch
 
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.data.collate import is_packed_batch
 from twinkle_core.errors import ConfigError
-from twinkle_core.loss._common import align_to_shifted, require, scalar
-from twinkle_core.loss.base import Loss, LossContext, require_whole_sequences
-from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE
-from twinkle_rl.losses.tempered import tempered_token_logprobs
+from twinkle_core.loss.base import LossContext, require_whole_sequences
+from twinkle_core.loss.helpers import align_to_shifted, require, scalar
+from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, tempered_token_logprobs
+from twinkle_rl.losses.scoring import TokenScoringLoss
 
 
 def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float,
@@ -71,7 +72,7 @@ class PolicyTokens:
         return scalar((per_token * self.weights).sum() / self.weights.sum().clamp(min=1))
 
 
-class PolicyLoss(Loss):
+class PolicyLoss(TokenScoringLoss):
     """Base of the clipped policy losses: hyper-parameters, :meth:`policy_tokens` and :meth:`metrics`.
 
     ``temperature`` must be the temperature the rollouts were sampled at: log-probabilities are those of
@@ -84,25 +85,18 @@ class PolicyLoss(Loss):
     per_sequence: ClassVar[bool] = False
 
     def __init__(self, *, epsilon_low: float, epsilon_high: float, beta: float = 0.0, temperature: float = 1.0,
-                 ignore_index: int = -100, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+                 ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         if epsilon_low < 0 or epsilon_high < 0:
             raise ConfigError(f"clip ranges must be non-negative, got {epsilon_low}, {epsilon_high}")
         if beta < 0:
             raise ConfigError(f"beta must be non-negative, got {beta}")
         if not 0 < temperature < float("inf"):
             raise ConfigError(f"temperature must be positive and finite, got {temperature}")
-        if chunk_size < 1:
-            raise ConfigError(f"chunk_size must be positive, got {chunk_size}")
+        super().__init__(ignore_index=ignore_index, chunk_size=chunk_size)
         self.epsilon_low = float(epsilon_low)
         self.epsilon_high = float(epsilon_high)
         self.beta = float(beta)
         self.temperature = float(temperature)
-        self.ignore_index = ignore_index
-        self.chunk_size = chunk_size
-
-    @property
-    def where(self) -> str:
-        return type(self).__name__
 
     def policy_tokens(self, outputs: dict[str, Any], inputs: dict[str, Any],
                       context: LossContext | None = None) -> PolicyTokens:

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import LossContext, LossOutput
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE
@@ -42,7 +43,7 @@ class DPOLoss(PreferenceLoss):
     name: ClassVar[str] = "dpo"
 
     def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                 reference_free: bool = False, sft_weight: float = 0.0, ignore_index: int = -100,
+                 reference_free: bool = False, sft_weight: float = 0.0, ignore_index: int = IGNORE_INDEX,
                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         super().__init__(sft_weight=sft_weight, ignore_index=ignore_index, chunk_size=chunk_size)
         if loss_type not in LOSS_TYPES:

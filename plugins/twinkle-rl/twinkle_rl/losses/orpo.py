@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import LossContext, LossOutput
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE
@@ -41,7 +42,7 @@ class ORPOLoss(PreferenceLoss):
 
     name: ClassVar[str] = "orpo"
 
-    def __init__(self, beta: float = 0.1, ignore_index: int = -100, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    def __init__(self, beta: float = 0.1, ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         super().__init__(ignore_index=ignore_index, chunk_size=chunk_size)
         if beta < 0:
             raise ConfigError(f"beta must be >= 0, got {beta}")

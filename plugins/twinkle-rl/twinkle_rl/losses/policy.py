@@ -29,7 +29,7 @@ with at least one label token; fully masked (padding) rows count for nothing. Ea
 completion: packed batches are refused where a row's tokens are averaged or share one advantage.
 
 ``temperature`` (default 1): the temperature the rollouts were sampled at; every log-probability is one of
-``softmax(logits / temperature)`` (see :mod:`twinkle_rl.losses.tempered` for its memory cost: none beyond a
+``softmax(logits / temperature)`` (see :mod:`twinkle_core.loss.logprobs` for its memory cost: none beyond a
 chunk).
 """
 
@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.loss.base import LossContext, LossOutput
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE
 from twinkle_rl.losses.clipped import PolicyLoss, PolicyTokens, clipped_surrogate
@@ -77,7 +78,7 @@ class GRPOLoss(_TokenRatioLoss):
     per_sequence: ClassVar[bool] = True
 
     def __init__(self, epsilon: float = 0.2, beta: float = 0.0, epsilon_high: float | None = None,
-                 ignore_index: int = -100, chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0) -> None:
+                 ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0) -> None:
         super().__init__(epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high,
                          beta=beta, temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size)
 
@@ -94,7 +95,7 @@ class DAPOLoss(_TokenRatioLoss):
     name: ClassVar[str] = "dapo"
 
     def __init__(self, epsilon_low: float = 0.2, epsilon_high: float = 0.28, beta: float = 0.0,
-                 ignore_index: int = -100, chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0) -> None:
+                 ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0) -> None:
         super().__init__(epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, temperature=temperature,
                          ignore_index=ignore_index, chunk_size=chunk_size)
 
@@ -115,7 +116,7 @@ class DrGRPOLoss(_TokenRatioLoss):
     per_sequence: ClassVar[bool] = True
 
     def __init__(self, epsilon: float = 0.2, max_completion_length: int | None = None, beta: float = 0.0,
-                 epsilon_high: float | None = None, ignore_index: int = -100,
+                 epsilon_high: float | None = None, ignore_index: int = IGNORE_INDEX,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0) -> None:
         super().__init__(epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high,
                          beta=beta, temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size)
@@ -138,7 +139,7 @@ class PPOLoss(DAPOLoss):
     name: ClassVar[str] = "ppo"
 
     def __init__(self, epsilon: float = 0.2, beta: float = 0.0, epsilon_high: float | None = None,
-                 ignore_index: int = -100, chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0) -> None:
+                 ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0) -> None:
         super().__init__(epsilon, epsilon if epsilon_high is None else epsilon_high, beta, ignore_index,
                          chunk_size, temperature)
 
@@ -173,7 +174,7 @@ class GSPOLoss(PolicyLoss):
     per_sequence: ClassVar[bool] = True
 
     def __init__(self, epsilon_low: float = 3e-4, epsilon_high: float = 4e-4, beta: float = 0.0,
-                 ignore_index: int = -100, chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0) -> None:
+                 ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0) -> None:
         super().__init__(epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, temperature=temperature,
                          ignore_index=ignore_index, chunk_size=chunk_size)
 

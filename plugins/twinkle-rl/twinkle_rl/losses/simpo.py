@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import LossContext, LossOutput
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE
@@ -23,7 +24,7 @@ class SimPOLoss(PreferenceLoss):
     name: ClassVar[str] = "simpo"
 
     def __init__(self, beta: float = 2.0, gamma: float = 0.5, label_smoothing: float = 0.0, sft_weight: float = 0.0,
-                 ignore_index: int = -100, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+                 ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         super().__init__(sft_weight=sft_weight, ignore_index=ignore_index, chunk_size=chunk_size)
         if beta <= 0:
             raise ConfigError(f"beta must be positive, got {beta}")

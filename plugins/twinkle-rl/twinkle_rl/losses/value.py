@@ -31,9 +31,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
-from twinkle_core.loss._common import align_to_shifted, require, scalar
 from twinkle_core.loss.base import Loss, LossContext, LossOutput
+from twinkle_core.loss.helpers import align_to_shifted, require, scalar
 from twinkle_core.loss.logprobs import acc_dtype
 
 
@@ -42,15 +43,11 @@ class PPOValueLoss(Loss):
 
     name: ClassVar[str] = "ppo_value"
 
-    def __init__(self, clip_range_value: float | None = 0.2, ignore_index: int = -100) -> None:
+    def __init__(self, clip_range_value: float | None = 0.2, ignore_index: int = IGNORE_INDEX) -> None:
         if clip_range_value is not None and not clip_range_value > 0:
             raise ConfigError(f"clip_range_value must be positive (or None for no clipping), got {clip_range_value}")
         self.clip_range_value = None if clip_range_value is None else float(clip_range_value)
         self.ignore_index = ignore_index
-
-    @property
-    def where(self) -> str:
-        return type(self).__name__
 
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
                  context: LossContext | None = None) -> LossOutput:

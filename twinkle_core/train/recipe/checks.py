@@ -1,4 +1,5 @@
-"""Semantic checks on a recipe whose types are already right: value ranges, required keys, the mesh.
+"""Semantic checks on a recipe whose types are already right: value ranges, required keys, the mesh, and the
+rules of the recipe's task (:meth:`twinkle_core.task.Task.check_recipe`).
 
 Also folds the spec's mesh size keys (``tp_size: 2``) into ``mesh`` before conversion.
 """
@@ -7,14 +8,16 @@ from __future__ import annotations
 
 import difflib
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
-from twinkle_core.data.template import TRUNCATION_SIDES
-from twinkle_core.errors import ConfigError
+from twinkle_core.errors import ConfigError, TwinkleError
 from twinkle_core.mesh import SPEC_KEYS, DeviceMesh, merge_spec_sizes, pop_spec_sizes, suggest_spec_key
-from twinkle_core.train.recipe_convert import _Errors
-from twinkle_core.train.recipe_schema import _CONSTRUCTOR_KEYS, _CONSTRUCTOR_KEYS_FROM, _RECIPE_KEYS, Recipe
+from twinkle_core.train.recipe.convert import ErrorList
+from twinkle_core.train.recipe.schema import CONSTRUCTOR_KEYS, CONSTRUCTOR_KEYS_FROM, RECIPE_KEYS, Recipe
+
+logger = logging.getLogger("twinkle.train")
 
 _MESH_KEYS = tuple(DeviceMesh.__dataclass_fields__)  # the mesh declares its dimensions once
 
@@ -33,8 +36,8 @@ def _positive(path: str, *, zero: bool = False) -> _Rule:
 
 
 # (key path, wrong(value at the path, recipe), message; ``{value}`` is the value at the path). They run
-# on a recipe whose types are already right.
-_RULES: list[_Rule] = [
+# on a recipe whose types are already right; the task's own rules come between the data and the training ones.
+_MODEL_AND_DATA_RULES: list[_Rule] = [
     ("task", lambda task, r: not task, "must name a task (e.g. causal_lm)"),
     ("model.class_name", lambda name, r: not name, "must not be empty"),
     ("model", lambda m, r: m.model_id is None and m.config is None,
@@ -48,11 +51,8 @@ _RULES: list[_Rule] = [
     _positive("data.batch_size"),
     ("data.max_length", lambda n, r: n is not None and n < 2,
      "must be at least 2 to hold a prompt and an answer, got {value!r}"),
-    ("data.mode", lambda mode, r: r.task == "causal_lm" and mode not in (None, "chat", "pretrain"),
-     "must be 'chat' or 'pretrain', got {value!r}"),
-    *((f"{where}.truncation", lambda side, r: r.task == "causal_lm" and side not in (None, *TRUNCATION_SIDES),
-       f"must be one of {', '.join(map(repr, TRUNCATION_SIDES))}, got {{value!r}}")
-      for where in ("data.options", "task_options")),
+]
+_TRAINING_RULES: list[_Rule] = [
     _positive("optimizer.lr"),
     _positive("optimizer.weight_decay", zero=True),
     _positive("lr_scheduler.warmup_steps", zero=True),
@@ -77,10 +77,10 @@ def _at(recipe: Recipe, path: str) -> Any:
     return functools.reduce(_step, path.split("."), recipe)
 
 
-def _fold_spec_sizes(raw: dict[str, Any], errors: _Errors) -> None:
+def fold_spec_sizes(raw: dict[str, Any], errors: ErrorList) -> None:
     """The spec's size keys (``tp_size: 2`` at the top level or in ``mesh``; ``tp_size=2`` on the command line)
     become mesh dimensions (``mesh: {tp: 2}``), in place; a contradiction with ``mesh`` is an error."""
-    for key in [k for k in raw if k not in _RECIPE_KEYS and k not in SPEC_KEYS and suggest_spec_key(k)]:
+    for key in [k for k in raw if k not in RECIPE_KEYS and k not in SPEC_KEYS and suggest_spec_key(k)]:
         errors.add(str(key), f"unknown key; did you mean {suggest_spec_key(key)}?")
         raw.pop(key)
     try:
@@ -97,13 +97,13 @@ def _fold_spec_sizes(raw: dict[str, Any], errors: _Errors) -> None:
                               "inside tensor-parallel regions is strategy.options.sequence_parallel: true")
         if sizes or mesh is not raw.get("mesh"):
             if mesh is not None and not isinstance(mesh, dict):
-                return  # _build reports the wrong type of mesh
+                return  # build_section reports the wrong type of mesh
             raw["mesh"] = merge_spec_sizes(mesh, sizes)
     except ConfigError as exc:
         errors.add("", str(exc))
 
 
-def _check_mesh(mesh: dict[str, int] | None, errors: _Errors) -> None:
+def _check_mesh(mesh: dict[str, int] | None, errors: ErrorList) -> None:
     unknown = [key for key in mesh or () if key not in _MESH_KEYS]
     for key in unknown:
         close = difflib.get_close_matches(str(key), [*_MESH_KEYS, *SPEC_KEYS], n=1)
@@ -116,13 +116,35 @@ def _check_mesh(mesh: dict[str, int] | None, errors: _Errors) -> None:
             errors.add("", str(exc))
 
 
-def _check(recipe: Recipe, errors: _Errors) -> None:
-    for path, wrong, message in _RULES:
+def task_problems(recipe: Recipe) -> list[str]:
+    """What the recipe's task finds wrong with it (:meth:`twinkle_core.task.Task.check_recipe`). A task that is not
+    installed or does not load has nothing to say here: :func:`validate_plugin_names` reports it with its key."""
+    from twinkle_core.plugins import get_plugins
+
+    try:
+        task_cls = get_plugins().load("task", recipe.task)
+    except TwinkleError as exc:
+        logger.debug("the recipe's task %r cannot check it: %s", recipe.task, exc)
+        return []
+    return list(task_cls.check_recipe(recipe))
+
+
+def _apply_rules(rules: list[_Rule], recipe: Recipe, errors: ErrorList) -> None:
+    for path, wrong, message in rules:
         value = _at(recipe, path)
         if wrong(value, recipe):
             errors.add(path, message.format(value=value))
-    for key in sorted(set(recipe.model.options) & _CONSTRUCTOR_KEYS):
-        errors.add(f"model.options.{key}", f"is set by the recipe itself; use {_CONSTRUCTOR_KEYS_FROM[key]} instead")
+
+
+def check_recipe(recipe: Recipe, errors: ErrorList) -> None:
+    """Add to ``errors`` every semantic problem of ``recipe`` (whose types are right): the general rules, the
+    task's (:func:`task_problems`), ``model.options`` keys the recipe sets itself, and the mesh."""
+    _apply_rules(_MODEL_AND_DATA_RULES, recipe, errors)
+    if recipe.task:
+        errors.extend(task_problems(recipe))
+    _apply_rules(_TRAINING_RULES, recipe, errors)
+    for key in sorted(set(recipe.model.options) & CONSTRUCTOR_KEYS):
+        errors.add(f"model.options.{key}", f"is set by the recipe itself; use {CONSTRUCTOR_KEYS_FROM[key]} instead")
     for key in sorted(set(recipe.model.options) & set(SPEC_KEYS)):
         errors.add(f"model.options.{key}", f"is a mesh size; write {key} at the top level (or mesh.{SPEC_KEYS[key]})")
     _check_mesh(recipe.mesh, errors)

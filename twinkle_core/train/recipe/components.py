@@ -16,7 +16,8 @@ from twinkle_core.errors import ConfigError, PluginNotFoundError
 from twinkle_core.mesh import DeviceMesh, default_strategy
 from twinkle_core.optim import check_optimizer_options
 from twinkle_core.options import check_options
-from twinkle_core.train.recipe_schema import _CONSTRUCTOR_KEYS_FROM, Recipe
+from twinkle_core.task import default_loss_name
+from twinkle_core.train.recipe.schema import CONSTRUCTOR_KEYS_FROM, Recipe
 
 
 def validate_plugin_names(recipe: Recipe, plugins: Any = None) -> None:
@@ -86,7 +87,7 @@ def validate_components(recipe: Recipe, plugins: Any = None, *, world_size: int 
     Unlike :func:`validate_plugin_names` this imports the components (torch and the backend) and
     instantiates the task, whose own ``__init__`` validates ``task_options``.
     """
-    from twinkle_core.capabilities import check_compatible
+    from twinkle_core.capabilities import check_compatible, check_model_kind
 
     if plugins is None:
         from twinkle_core.plugins import get_plugins
@@ -97,7 +98,8 @@ def validate_components(recipe: Recipe, plugins: Any = None, *, world_size: int 
     check_options(task_cls, recipe.task_options, where="task_options")
     task = task_cls(**recipe.task_options)
     model_cls = plugins.load("model", recipe.model.class_name)
-    check_options(model_cls, recipe.model.options, where="model.options", provided=_CONSTRUCTOR_KEYS_FROM)
+    check_options(model_cls, recipe.model.options, where="model.options", provided=CONSTRUCTOR_KEYS_FROM)
+    check_model_kind(model_cls, task)  # a task whose network this backend does not build fails before launch
     if "kernels" in recipe.model.options:  # a kernel name no plugin registers fails before launch
         from twinkle_core.kernels import check_switch
 
@@ -155,9 +157,7 @@ def _check_data_spec(recipe: Recipe, task: Any) -> None:
 
 
 def _check_loss_options(recipe: Recipe, task: Any, plugins: Any) -> None:
-    name = recipe.loss.name or getattr(task, "default_loss", "") or None
-    if name is None:
-        raise ConfigError(f"loss.name: the task {recipe.task!r} has no default loss; set loss.name")
+    name = recipe.loss.name or default_loss_name(task)
     loss = plugins.load("loss", name)
     _check_loss_inputs(name, loss, recipe.task, task, plugins)
     if inspect.isclass(loss):

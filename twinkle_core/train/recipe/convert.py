@@ -13,12 +13,14 @@ import types
 import typing
 from typing import Any
 
-from twinkle_core.train.recipe_schema import _ALIASES, Recipe
+from twinkle_core.train.recipe.schema import ALIASES, Recipe
 
 _UNIONS = (typing.Union, types.UnionType)
 
 
-class _Errors(list):
+class ErrorList(list):
+    """The problems found in a recipe, each ``"key.path: message"``; everything is reported at once."""
+
     def add(self, path: str, message: str) -> None:
         self.append(f"{path}: {message}" if path else message)
 
@@ -33,7 +35,7 @@ def _all_paths(cls: type, prefix: str = "") -> list[str]:
     for f in dataclasses.fields(cls):
         path = _join(prefix, f.name)
         out.append(path)
-        tp = _unwrap_optional(hints[f.name])
+        tp = unwrap_optional(hints[f.name])
         if dataclasses.is_dataclass(tp):
             out.extend(_all_paths(tp, path))
     return out
@@ -43,8 +45,8 @@ def _suggest(prefix: str, key: str, siblings: list[str]) -> str:
     close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
     if close:
         return _join(prefix, close[0])
-    alias = _ALIASES.get(key) or next(iter(
-        _ALIASES[k] for k in difflib.get_close_matches(key, list(_ALIASES), n=1, cutoff=0.8)), None)
+    alias = ALIASES.get(key) or next(iter(
+        ALIASES[k] for k in difflib.get_close_matches(key, list(ALIASES), n=1, cutoff=0.8)), None)
     if alias:
         return alias
     everything = _all_paths(Recipe)
@@ -53,7 +55,8 @@ def _suggest(prefix: str, key: str, siblings: list[str]) -> str:
     return leaves[close[0]] if close else ""
 
 
-def _unwrap_optional(tp: Any) -> Any:
+def unwrap_optional(tp: Any) -> Any:
+    """``X`` for ``X | None``; any other type unchanged."""
     if typing.get_origin(tp) in _UNIONS:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:
@@ -75,7 +78,8 @@ def _describe(tp: Any) -> str:
     return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(tp, str(tp))
 
 
-def _got(value: Any) -> str:
+def describe_value(value: Any) -> str:
+    """``value`` for an error message: its YAML type and a shortened repr (``"mapping {'a': 1}"``)."""
     name = {str: "string", int: "integer", float: "number", bool: "boolean", list: "list", dict: "mapping",
             type(None): "null"}.get(type(value), type(value).__name__)
     text = repr(value)
@@ -111,11 +115,11 @@ def _to_str(value: Any) -> Any:
 _SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 
 
-def _convert_scalar(value: Any, tp: type, path: str, errors: _Errors) -> Any:
+def _convert_scalar(value: Any, tp: type, path: str, errors: ErrorList) -> Any:
     converted = _SCALARS[tp](value)
     if converted is _MISMATCH:
         quote = " (quote it in YAML)" if tp is str else ""
-        errors.add(path, f"expected {_describe(tp)}, got {_got(value)}{quote}")
+        errors.add(path, f"expected {_describe(tp)}, got {describe_value(value)}{quote}")
         return value
     if tp is float and not math.isfinite(converted):  # .nan / .inf train a model into NaN
         errors.add(path, f"must be a finite number, got {converted!r}")
@@ -123,40 +127,40 @@ def _convert_scalar(value: Any, tp: type, path: str, errors: _Errors) -> Any:
     return converted
 
 
-def _convert_union(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
+def _convert_union(value: Any, tp: Any, path: str, errors: ErrorList) -> Any:
     args = typing.get_args(tp)
     if value is None and type(None) in args:
         return None
     choices = [a for a in args if a is not type(None)]
     for choice in choices:
-        trial = _Errors()
+        trial = ErrorList()
         result = _convert(value, choice, path, trial)
         if not trial:
             return result
     if len(choices) == 1 and not (len(trial) == 1 and trial[0].startswith(f"{path}: expected ")):
         errors.extend(trial)  # the value has the right type; its own items are wrong
     else:
-        errors.add(path, f"expected {_describe(tp)}, got {_got(value)}")
+        errors.add(path, f"expected {_describe(tp)}, got {describe_value(value)}")
     return value
 
 
-def _convert_mapping(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
+def _convert_mapping(value: Any, tp: Any, path: str, errors: ErrorList) -> Any:
     if not isinstance(value, dict):
-        errors.add(path, f"expected a mapping, got {_got(value)}")
+        errors.add(path, f"expected a mapping, got {describe_value(value)}")
         return value
     key_tp, value_tp = typing.get_args(tp) or (str, Any)
     out = {}
     for key, item in value.items():
         if key_tp is str and not isinstance(key, str):
-            errors.add(_join(path, str(key)), f"keys must be strings, got {_got(key)}")
+            errors.add(_join(path, str(key)), f"keys must be strings, got {describe_value(key)}")
             continue
         out[key] = _convert(item, value_tp, _join(path, str(key)), errors)
     return out
 
 
-def _convert_list(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
+def _convert_list(value: Any, tp: Any, path: str, errors: ErrorList) -> Any:
     if not isinstance(value, (list, tuple)):
-        errors.add(path, f"expected a list, got {_got(value)}")
+        errors.add(path, f"expected a list, got {describe_value(value)}")
         return value
     (item_tp,) = typing.get_args(tp) or (Any,)
     return [_convert(item, item_tp, f"{path}[{i}]", errors) for i, item in enumerate(value)]
@@ -165,7 +169,7 @@ def _convert_list(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
 _CONTAINERS = {dict: _convert_mapping, list: _convert_list}
 
 
-def _convert(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
+def _convert(value: Any, tp: Any, path: str, errors: ErrorList) -> Any:
     """``value`` as the schema type ``tp``; a mismatch is added to ``errors`` (the value is then returned as is)."""
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -173,7 +177,7 @@ def _convert(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
     if origin in _UNIONS:
         return _convert_union(value, tp, path, errors)
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path, errors)
+        return build_section(tp, value, path, errors)
     if tp in _SCALARS:
         return _convert_scalar(value, tp, path, errors)
     if (origin or tp) in _CONTAINERS:
@@ -181,13 +185,15 @@ def _convert(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
     raise TypeError(f"recipe schema uses an unsupported type {tp!r} at {path}")
 
 
-def _build(cls: type, raw: Any, path: str, errors: _Errors) -> Any:
+def build_section(cls: type, raw: Any, path: str, errors: ErrorList) -> Any:
+    """The schema dataclass ``cls`` (a recipe or one of its sections at ``path``) from ``raw``; every mismatch is
+    added to ``errors`` (the section then keeps its defaults where the value was wrong)."""
     if raw is None:
         raw = {}
     if isinstance(raw, str) and "name" in {f.name for f in dataclasses.fields(cls)}:
         raw = {"name": raw}  # the shorthand ``strategy: ddp`` (or ``strategy=accelerate`` on the command line)
     if not isinstance(raw, dict):
-        errors.add(path, f"expected a mapping, got {_got(raw)}")
+        errors.add(path, f"expected a mapping, got {describe_value(raw)}")
         return cls()
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]

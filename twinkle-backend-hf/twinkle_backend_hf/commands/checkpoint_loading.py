@@ -187,6 +187,7 @@ def generation_kwargs(*, temperature: float, top_p: float, max_new_tokens: int, 
 
 def add_checkpoint_arguments(parser: Any, *, dtype_default: str = "auto") -> None:
     parser.add_argument("--base", metavar="DIR",
-                        help="the base model of a PEFT adapter (default: base_model_name_or_path in adapter_config.json)")
+                        help="the base model of a PEFT adapter (default: base_model_name_or_path in "
+                             "adapter_config.json)")
     parser.add_argument("--dtype", choices=DTYPES, default=dtype_default,
                         help=f"weights' dtype (default {dtype_default}: as saved)")

@@ -22,32 +22,37 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from twinkle_core.commands._checkpoint import add_checkpoint_arguments
+from twinkle_backend_hf.commands.checkpoint_loading import add_checkpoint_arguments
+from twinkle_core.commands import Command
 from twinkle_core.errors import ConfigError
 
-HELP = "loss / perplexity / exact match on a data set (and lm-eval tasks with --tasks)"
 LM_EVAL_MISSING = ("--tasks runs lm-eval's tasks, and the lm-eval package is not installed: pip install lm-eval")
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("eval", help=HELP,
-                       description="Evaluate a checkpoint on a chat or text JSONL: loss, perplexity and (chats) "
-                                   "exact match of the greedy answer to the last assistant turn; optionally "
-                                   "lm-eval tasks (--tasks).")
-    p.add_argument("checkpoint", help="checkpoint directory")
-    p.add_argument("data", nargs="?", help="chat or text rows (JSONL, or any format twinkle train reads)")
-    p.add_argument("--output", "-o", metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--limit", type=int, help="evaluate the first N rows only (lm-eval: N per task)")
-    p.add_argument("--batch-size", type=int, default=8, help="rows per forward / generate call (default 8)")
-    p.add_argument("--max-length", type=int, help="truncate sequences to this many tokens "
-                                                   "(default: the model's max_position_embeddings)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit for exact match (default 64)")
-    p.add_argument("--no-generate", action="store_true", help="loss and perplexity only (no exact match)")
-    p.add_argument("--tasks", metavar="NAME[,NAME]", help="lm-eval tasks to run (needs: pip install lm-eval)")
-    p.add_argument("--include-path", metavar="DIR", help="a directory of lm-eval task YAMLs (with --tasks)")
-    p.add_argument("--device", help="a torch device such as cpu, cuda:1 or npu:0 (default: the active "
-                                    "accelerator's device, see twinkle plugins)")
-    add_checkpoint_arguments(p)
+class EvalCommand(Command):
+    description = ("Evaluate a checkpoint on a chat or text JSONL: loss, perplexity and (chats) "
+                   "exact match of the greedy answer to the last assistant turn; optionally "
+                   "lm-eval tasks (--tasks).")
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("checkpoint", help="checkpoint directory")
+        parser.add_argument("data", nargs="?", help="chat or text rows (JSONL, or any format twinkle train reads)")
+        parser.add_argument("--output", "-o", metavar="FILE", help="also write the results as JSON")
+        parser.add_argument("--limit", type=int, help="evaluate the first N rows only (lm-eval: N per task)")
+        parser.add_argument("--batch-size", type=int, default=8, help="rows per forward / generate call (default 8)")
+        parser.add_argument("--max-length", type=int, help="truncate sequences to this many tokens "
+                                                           "(default: the model's max_position_embeddings)")
+        parser.add_argument("--max-new-tokens", type=int, default=64,
+                            help="answer length limit for exact match (default 64)")
+        parser.add_argument("--no-generate", action="store_true", help="loss and perplexity only (no exact match)")
+        parser.add_argument("--tasks", metavar="NAME[,NAME]", help="lm-eval tasks to run (needs: pip install lm-eval)")
+        parser.add_argument("--include-path", metavar="DIR", help="a directory of lm-eval task YAMLs (with --tasks)")
+        parser.add_argument("--device", help="a torch device such as cpu, cuda:1 or npu:0 (default: the active "
+                                             "accelerator's device, see twinkle plugins)")
+        add_checkpoint_arguments(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        return evaluate(args)
 
 
 # ---------------------------------------------------------------------- data
@@ -82,7 +87,8 @@ def read_examples(path: str, limit: int | None = None) -> list[dict[str, Any]]:
     return examples
 
 
-def loss_sequences(tokenizer: Any, examples: list[dict[str, Any]], max_length: int) -> list[tuple[list[int], list[int]]]:
+def loss_sequences(tokenizer: Any, examples: list[dict[str, Any]],
+                   max_length: int) -> list[tuple[list[int], list[int]]]:
     """``[(input_ids, labels)]`` (-100 where no loss is taken) labelled as ``twinkle train`` labels them
     (:class:`twinkle_core.data.template.Template`): every assistant turn with its end-of-turn token, or every
     token of a text row (with EOS)."""
@@ -137,7 +143,7 @@ def exact_match(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *, b
     """(exact-match rate, examples judged, predictions) for the chat examples."""
     import torch
 
-    from twinkle_core.commands._checkpoint import generation_kwargs, pad_token_id, stop_token_ids
+    from twinkle_backend_hf.commands.checkpoint_loading import generation_kwargs, pad_token_id, stop_token_ids
 
     stops = stop_token_ids(tokenizer, model)
     pad = pad_token_id(tokenizer, stops)
@@ -232,16 +238,10 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def run(args: argparse.Namespace) -> int:
-    from twinkle_core.commands._checkpoint import load_model, load_tokenizer, resolve_checkpoint
+def evaluate(args: argparse.Namespace) -> int:
+    from twinkle_backend_hf.commands.checkpoint_loading import load_model, load_tokenizer, resolve_checkpoint
 
-    tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
-    if not args.data and not tasks:
-        raise ConfigError("twinkle eval needs DATA (a chat or text JSONL) and/or --tasks NAME[,NAME] (lm-eval)")
-    if args.batch_size < 1:
-        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if tasks:
-        check_lm_eval()
+    tasks = checked_tasks(args)
     ckpt = resolve_checkpoint(args.checkpoint, args.base)
     examples = read_examples(args.data, args.limit) if args.data else []
     tokenizer = load_tokenizer(ckpt)
@@ -250,26 +250,48 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(ckpt, dtype=args.dtype, device=args.device)
     results: dict[str, Any] = {"checkpoint": str(ckpt.path), "data": args.data, "metrics": {}}
     if examples:
-        max_length = args.max_length or int(getattr(model.config, "max_position_embeddings", 0) or 4096)
-        nll, tokens = compute_loss(model, tokenizer, examples, batch_size=args.batch_size, max_length=max_length)
-        loss = nll / tokens if tokens else float("nan")
-        metrics = {"loss": loss, "perplexity": math.exp(min(loss, 700.0)) if tokens else float("nan"),
-                   "num_examples": len(examples), "num_loss_tokens": tokens}
-        if not args.no_generate and any("messages" in e for e in examples):
-            rate, judged, predictions = exact_match(model, tokenizer, examples, batch_size=args.batch_size,
-                                                    max_new_tokens=args.max_new_tokens)
-            metrics.update(exact_match=rate, num_exact_match_examples=judged)
-            results["predictions"] = predictions
-        results["metrics"] = metrics
+        results.update(data_metrics(model, tokenizer, examples, args))
     if tasks:
         results["lm_eval"] = run_lm_eval(model, tokenizer, tasks, batch_size=args.batch_size, limit=args.limit,
                                          include_path=args.include_path)
     print(format_table(results))
     if args.output:
-        path = Path(args.output).expanduser()
-        if path.parent and not path.parent.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_json_safe(results), indent=2) + "\n")
-        print(f"twinkle: results written to {path}", file=sys.stderr)
+        write_results(results, Path(args.output).expanduser())
     return 0
 
+
+def checked_tasks(args: argparse.Namespace) -> list[str]:
+    """The lm-eval tasks asked for; the arguments checked before anything loads."""
+    tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
+    if not args.data and not tasks:
+        raise ConfigError("twinkle eval needs DATA (a chat or text JSONL) and/or --tasks NAME[,NAME] (lm-eval)")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if tasks:
+        check_lm_eval()
+    return tasks
+
+
+def data_metrics(model: Any, tokenizer: Any, examples: list[dict[str, Any]],
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """``{"metrics": loss, perplexity (and exact match of chats)}``, with ``"predictions"`` when answers were
+    generated."""
+    max_length = args.max_length or int(getattr(model.config, "max_position_embeddings", 0) or 4096)
+    nll, tokens = compute_loss(model, tokenizer, examples, batch_size=args.batch_size, max_length=max_length)
+    loss = nll / tokens if tokens else float("nan")
+    metrics = {"loss": loss, "perplexity": math.exp(min(loss, 700.0)) if tokens else float("nan"),
+               "num_examples": len(examples), "num_loss_tokens": tokens}
+    results: dict[str, Any] = {"metrics": metrics}
+    if not args.no_generate and any("messages" in e for e in examples):
+        rate, judged, predictions = exact_match(model, tokenizer, examples, batch_size=args.batch_size,
+                                                max_new_tokens=args.max_new_tokens)
+        metrics.update(exact_match=rate, num_exact_match_examples=judged)
+        results["predictions"] = predictions
+    return results
+
+
+def write_results(results: dict[str, Any], path: Path) -> None:
+    if path.parent and not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_json_safe(results), indent=2) + "\n")
+    print(f"twinkle: results written to {path}", file=sys.stderr)

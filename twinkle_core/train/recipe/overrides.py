@@ -12,18 +12,18 @@ from pathlib import Path
 from typing import Any
 
 from twinkle_core.errors import ConfigError
-from twinkle_core.train.recipe_convert import _got, _unwrap_optional
-from twinkle_core.train.recipe_schema import Recipe
+from twinkle_core.train.recipe.convert import describe_value, unwrap_optional
+from twinkle_core.train.recipe.schema import Recipe
 
 
-def _resolve_paths(raw: dict[str, Any], base_dir: Path, cls: type = Recipe) -> None:
+def resolve_paths(raw: dict[str, Any], base_dir: Path, cls: type = Recipe) -> None:
     """Make the recipe file's relative paths relative to the file (in place, before validation)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         value = raw.get(f.name)
-        tp = _unwrap_optional(hints[f.name])
+        tp = unwrap_optional(hints[f.name])
         if dataclasses.is_dataclass(tp) and isinstance(value, dict):
-            _resolve_paths(value, base_dir, tp)
+            resolve_paths(value, base_dir, tp)
         elif f.metadata.get("path") and isinstance(value, str):
             raw[f.name] = _resolve_path(value, base_dir, f.metadata["path"] == "always")
         elif f.metadata.get("path") and isinstance(value, list):  # data sources: strings or {path: ...}
@@ -75,7 +75,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[st
                 child = node[part] = {}
             if not isinstance(child, dict):
                 where = ".".join(parts[: i + 1])
-                raise ConfigError(f"override {text!r}: {where} is {_got(child)}, not a mapping")
+                raise ConfigError(f"override {text!r}: {where} is {describe_value(child)}, not a mapping")
             node = child
         node[parts[-1]] = value
     return raw

@@ -12,26 +12,30 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from twinkle_core.commands._checkpoint import add_checkpoint_arguments
+from twinkle_backend_hf.commands.checkpoint_loading import add_checkpoint_arguments
+from twinkle_core.commands import Command
 from twinkle_core.errors import ConfigError
 
-HELP = "chat with a checkpoint in the terminal"
 
+class ChatCommand(Command):
+    description = ("Chat with a checkpoint (full model, PEFT adapter or Twinkle output directory) "
+                   "using its tokenizer's chat template. Interactive: /reset starts over, /exit "
+                   "quits. --prompt answers once and exits.")
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("chat", help=HELP,
-                       description="Chat with a checkpoint (full model, PEFT adapter or Twinkle output directory) "
-                                   "using its tokenizer's chat template. Interactive: /reset starts over, /exit "
-                                   "quits. --prompt answers once and exits.")
-    p.add_argument("checkpoint", help="checkpoint directory")
-    p.add_argument("--prompt", metavar="TEXT", help="answer this one message, print the answer and exit")
-    p.add_argument("--system", metavar="TEXT", help="system prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature > 0; default 1)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit (default 256)")
-    p.add_argument("--device", help="a torch device such as cpu, cuda:1 or npu:0 (default: the active "
-                                    "accelerator's device, see twinkle plugins)")
-    add_checkpoint_arguments(p)
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("checkpoint", help="checkpoint directory")
+        parser.add_argument("--prompt", metavar="TEXT", help="answer this one message, print the answer and exit")
+        parser.add_argument("--system", metavar="TEXT", help="system prompt")
+        parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+        parser.add_argument("--top-p", type=float, default=1.0,
+                            help="nucleus sampling (with --temperature > 0; default 1)")
+        parser.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit (default 256)")
+        parser.add_argument("--device", help="a torch device such as cpu, cuda:1 or npu:0 (default: the active "
+                                             "accelerator's device, see twinkle plugins)")
+        add_checkpoint_arguments(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        return chat(args)
 
 
 class ChatSession:
@@ -39,7 +43,11 @@ class ChatSession:
 
     def __init__(self, model: Any, tokenizer: Any, *, system: str | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, max_new_tokens: int = 256) -> None:
-        from twinkle_core.commands._checkpoint import generation_kwargs, pad_token_id, stop_token_ids
+        from twinkle_backend_hf.commands.checkpoint_loading import (
+            generation_kwargs,
+            pad_token_id,
+            stop_token_ids,
+        )
 
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("the checkpoint's tokenizer has no chat template (tokenizer_config.json "
@@ -98,8 +106,8 @@ def interact(session: ChatSession, read: Callable[[str], str] = input, write: Ca
             write(answer)
 
 
-def run(args: argparse.Namespace) -> int:
-    from twinkle_core.commands._checkpoint import (
+def chat(args: argparse.Namespace) -> int:
+    from twinkle_backend_hf.commands.checkpoint_loading import (
         generation_kwargs,
         load_model,
         load_tokenizer,

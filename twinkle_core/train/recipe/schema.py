@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from twinkle_core.model.spec import RECIPE_KEYS as SPEC_RECIPE_KEYS
+
 _PATH = {"path": True}
 _PATH_ALWAYS = {"path": "always"}
 
@@ -140,8 +142,8 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
-# Names other frameworks use, so a misplaced key gets a useful suggestion.
-_ALIASES = {
+#: names other frameworks use, so a misplaced key gets a useful suggestion (``lr`` -> ``optimizer.lr``)
+ALIASES = {
     "learning_rate": "optimizer.lr",
     "lr": "optimizer.lr",
     "weight_decay": "optimizer.weight_decay",
@@ -176,14 +178,10 @@ _ALIASES = {
     "report_to": "train.report_to",
 }
 
-# keyword arguments the training loop passes to every model class (see twinkle_core.train.loop)
-_CONSTRUCTOR_KEYS_FROM = {
-    "model_id": "model.model_id", "config": "model.config", "strategy": "strategy.name",
-    "strategy_options": "strategy.options", "mesh": "mesh", "precision": "precision", "task": "task",
-    "tokenizer": "model.tokenizer", "trust_remote_code": "model.trust_remote_code",
-    "attn_implementation": "model.attn_implementation", "gradient_checkpointing": "model.gradient_checkpointing",
-    "seed": "train.seed",
-}
-_CONSTRUCTOR_KEYS = set(_CONSTRUCTOR_KEYS_FROM)
+#: keyword arguments the training loop passes to every model class (the fields of
+#: :class:`twinkle_core.model.spec.ModelSpec`), with the recipe key each comes from: ``model.options`` may not set them
+CONSTRUCTOR_KEYS_FROM = dict(SPEC_RECIPE_KEYS)
+CONSTRUCTOR_KEYS = frozenset(CONSTRUCTOR_KEYS_FROM)
 
-_RECIPE_KEYS = tuple(f.name for f in dataclasses.fields(Recipe))
+#: the top-level sections of a recipe
+RECIPE_KEYS = tuple(f.name for f in dataclasses.fields(Recipe))

@@ -16,27 +16,30 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from twinkle_core.commands._checkpoint import add_checkpoint_arguments
+from twinkle_backend_hf.commands.checkpoint_loading import add_checkpoint_arguments
+from twinkle_core.commands import Command
 from twinkle_core.errors import ConfigError
 
-HELP = "write a plain Hugging Face model directory (merging a LoRA adapter), optionally push it to the Hub"
 
+class ExportCommand(Command):
+    description = ("Write a checkpoint as a plain Hugging Face directory: the model (a LoRA "
+                   "adapter merged into its base with --merge-lora) and its tokenizer.")
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("export", help=HELP,
-                       description="Write a checkpoint as a plain Hugging Face directory: the model (a LoRA "
-                                   "adapter merged into its base with --merge-lora) and its tokenizer.")
-    p.add_argument("checkpoint", help="checkpoint directory")
-    p.add_argument("--output", "-o", metavar="DIR", help="where to write (required unless --push-to-hub)")
-    p.add_argument("--merge-lora", action="store_true",
-                   help="merge a PEFT (LoRA) adapter into its base and write the merged model")
-    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
-                   help="largest safetensors shard, e.g. 2GB or 500MB (default 5GB)")
-    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --output directory")
-    p.add_argument("--push-to-hub", metavar="REPO_ID",
-                   help="upload the exported directory to this Hugging Face Hub repository (needs HF_TOKEN)")
-    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
-    add_checkpoint_arguments(p)
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("checkpoint", help="checkpoint directory")
+        parser.add_argument("--output", "-o", metavar="DIR", help="where to write (required unless --push-to-hub)")
+        parser.add_argument("--merge-lora", action="store_true",
+                            help="merge a PEFT (LoRA) adapter into its base and write the merged model")
+        parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                            help="largest safetensors shard, e.g. 2GB or 500MB (default 5GB)")
+        parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --output directory")
+        parser.add_argument("--push-to-hub", metavar="REPO_ID",
+                            help="upload the exported directory to this Hugging Face Hub repository (needs HF_TOKEN)")
+        parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
+        add_checkpoint_arguments(parser)
+
+    def run(self, args: argparse.Namespace) -> int:
+        return export_command(args)
 
 
 def hub_token() -> str | None:
@@ -59,7 +62,7 @@ def _check_shard_size(value: str) -> None:
 
 
 def export(ckpt: Any, output: Path, *, merge_lora: bool, max_shard_size: str, dtype: str = "auto") -> Path:
-    from twinkle_core.commands._checkpoint import load_model, load_tokenizer
+    from twinkle_backend_hf.commands.checkpoint_loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(ckpt)
     merge = merge_lora and ckpt.kind == "adapter"
@@ -85,8 +88,8 @@ def push(folder: Path, repo_id: str, token: str, *, private: bool = False) -> st
     return str(getattr(url, "url", url) or f"https://huggingface.co/{repo_id}")
 
 
-def run(args: argparse.Namespace) -> int:
-    from twinkle_core.commands._checkpoint import resolve_checkpoint
+def export_command(args: argparse.Namespace) -> int:
+    from twinkle_backend_hf.commands.checkpoint_loading import resolve_checkpoint
 
     if not args.output and not args.push_to_hub:
         raise ConfigError("twinkle export needs --output DIR (where to write the model) or --push-to-hub REPO_ID")

@@ -59,3 +59,6 @@ def all_gather_rows(tensor: torch.Tensor, sizes: list[int], group: Any = None) -
     if tensor.requires_grad and torch.is_grad_enabled():
         return _GatherWithGrad.apply(tensor, sizes, rank, group)
     return _gather_padded(tensor, sizes, group)
+
+
+__all__ = ["all_gather_rows", "gather_sizes"]

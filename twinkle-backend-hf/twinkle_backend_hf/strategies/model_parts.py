@@ -1,51 +1,13 @@
-"""Helpers shared by the Hugging Face backend's parallel strategies (DDP, FSDP2, Accelerate)."""
+"""The parts of a ``transformers`` / PEFT model that the Hugging Face backend's strategies act on: the base model
+inside its wrappers, the transformer blocks to shard one by one, the PEFT adapters, and parameters made trainable
+for as long as a wrapper or engine collects them."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
-
-from twinkle_core import capabilities, distributed
-from twinkle_core.mesh import DeviceMesh
-
-logger = logging.getLogger("twinkle.strategies")
-
-_MESHES: dict[tuple[Any, ...], Any] = {}
-
-
-def ensure_process_group(backend: str) -> None:
-    """Join the torchrun job, or start a one-rank group so DDP/FSDP2 also run in a plain ``python`` process."""
-    import torch.distributed as dist
-
-    if distributed.init_process_group(backend):
-        return
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
-def check_mesh(strategy: str, mesh: DeviceMesh, allowed: Iterable[str]) -> None:
-    """Refuse mesh dimensions that ``strategy`` does not implement (the core's check, kept under its old name)."""
-    capabilities.check_mesh(strategy, mesh, allowed)
-
-
-def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
-    """A cached ``torch.distributed.device_mesh.DeviceMesh`` (a new 2-D mesh would create new groups each time)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    default_group = dist.distributed_c10d._get_default_group()
-    key = (device_type, shape, names, id(default_group))
-    mesh = _MESHES.get(key)
-    if mesh is None:
-        _MESHES.clear()  # a new default group (re-initialised job) invalidates every cached mesh
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        _MESHES[key] = mesh
-    return mesh
 
 
 def base_model(module: torch.nn.Module) -> torch.nn.Module:
@@ -119,30 +81,3 @@ def all_adapters_trainable(module: torch.nn.Module) -> contextlib.AbstractContex
         return contextlib.nullcontext()
     wanted = {n for name in names for n in adapters.parameter_names(module, name)}
     return requiring_grad(p for n, p in module.named_parameters() if n in wanted)
-
-
-def grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The norm of all ``grads`` as one vector, over every shard (DTensor gradients are reduced).
-
-    Returns a plain (non-DTensor) scalar tensor.
-    """
-    from torch.distributed.tensor import DTensor
-
-    norm_type = float(norm_type)
-    sharded = [g for g in grads if isinstance(g, DTensor)]
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    parts = []
-    if sharded:
-        # group by mesh: gradients on different meshes cannot be stacked into one DTensor
-        by_mesh: dict[Any, list[torch.Tensor]] = {}
-        for g in sharded:
-            by_mesh.setdefault(g.device_mesh, []).append(g)
-        for group in by_mesh.values():
-            norm = torch.nn.utils.get_total_norm(group, norm_type)
-            parts.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if plain:
-        parts.append(torch.nn.utils.get_total_norm(plain, norm_type))
-    if not parts:
-        return torch.tensor(0.0)
-    device = parts[0].device
-    return torch.linalg.vector_norm(torch.stack([p.to(device).float() for p in parts]), norm_type)

@@ -28,9 +28,10 @@ before it launches anything. :func:`validate_components` then imports the compon
 names and checks its free-form ``options`` against their signatures (:mod:`twinkle_core.options`)
 and the model / strategy / mesh combination (:mod:`twinkle_core.capabilities`).
 
-This is the public entry point; the work is split over ``recipe_schema`` (the sections),
-``recipe_convert`` (typed conversion), ``recipe_checks`` (semantic rules), ``recipe_overrides``
-(paths and overrides) and ``recipe_components`` (checks against the installed plugins).
+This package's ``__init__`` is the public entry point; the work is split over :mod:`.schema` (the sections),
+:mod:`.convert` (typed conversion), :mod:`.checks` (semantic rules, with the task's own:
+:meth:`twinkle_core.task.Task.check_recipe`), :mod:`.overrides` (paths and overrides) and :mod:`.components`
+(checks against the installed plugins). They talk through public names only.
 """
 
 from __future__ import annotations
@@ -41,16 +42,16 @@ from pathlib import Path
 from typing import Any
 
 from twinkle_core.errors import ConfigError
-from twinkle_core.train.recipe_checks import _check, _fold_spec_sizes
-from twinkle_core.train.recipe_components import check_paths as check_paths  # public, never in __all__
-from twinkle_core.train.recipe_components import (
+from twinkle_core.train.recipe.checks import check_recipe, fold_spec_sizes
+from twinkle_core.train.recipe.components import check_paths as check_paths  # public, never in __all__
+from twinkle_core.train.recipe.components import (
     strategy_name,
     validate_components,
     validate_plugin_names,
 )
-from twinkle_core.train.recipe_convert import _build, _Errors, _got
-from twinkle_core.train.recipe_overrides import _resolve_paths, apply_overrides, parse_override
-from twinkle_core.train.recipe_schema import (
+from twinkle_core.train.recipe.convert import ErrorList, build_section, describe_value
+from twinkle_core.train.recipe.overrides import apply_overrides, parse_override, resolve_paths
+from twinkle_core.train.recipe.schema import (
     DataConfig,
     LossConfig,
     LRSchedulerConfig,
@@ -88,15 +89,15 @@ def recipe_from_dict(raw: dict[str, Any] | None, overrides: list[str] | None = N
 
     raw = copy.deepcopy(raw) if raw is not None else {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"a recipe must be a mapping of sections, got {_got(raw)}")
+        raise ConfigError(f"a recipe must be a mapping of sections, got {describe_value(raw)}")
     if base_dir is not None:
-        _resolve_paths(raw, Path(base_dir))
+        resolve_paths(raw, Path(base_dir))
     apply_overrides(raw, overrides)
-    errors = _Errors()
-    _fold_spec_sizes(raw, errors)
-    recipe = _build(Recipe, raw, "", errors)
+    errors = ErrorList()
+    fold_spec_sizes(raw, errors)
+    recipe = build_section(Recipe, raw, "", errors)
     if not errors:
-        _check(recipe, errors)
+        check_recipe(recipe, errors)
     if errors:
         raise ConfigError("invalid recipe:\n  " + "\n  ".join(errors) if len(errors) > 1 else errors[0])
     return recipe
@@ -119,7 +120,7 @@ def load_recipe(path: str | os.PathLike[str], overrides: list[str] | None = None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{file}: a recipe must be a mapping of sections, got {_got(raw)}")
+        raise ConfigError(f"{file}: a recipe must be a mapping of sections, got {describe_value(raw)}")
     try:
         return recipe_from_dict(raw, overrides, base_dir=file.resolve().parent)
     except ConfigError as exc:
