@@ -70,12 +70,13 @@ def test_rows_name_real_members_once_in_a_known_phase():
     from twinkle_core.loss.base import Loss
     from twinkle_core.metrics import Metric
     from twinkle_core.model.base import TwinkleModel
+    from twinkle_core.model.multi_tenant import MultiTenantMixin
     from twinkle_core.model.train_state import TrainState
     from twinkle_core.rewards import Reward
     from twinkle_core.sampling import Sampler
 
     classes = {cls.__name__: cls for cls in (Task, Strategy, torch_model.TorchTwinkleModel, TwinkleModel, Loss,
-                                             Metric, TrainState, Sampler, Reward)}
+                                             Metric, TrainState, Sampler, Reward, MultiTenantMixin)}
     names = [seam.qualified_name for seam in SEAMS]
     assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
     for seam in SEAMS:

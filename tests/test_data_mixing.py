@@ -122,6 +122,7 @@ def test_recipe_accepts_source_lists_and_resolves_their_paths(tmp_path, two_file
 
 def test_validate_components_checks_sources_and_template(tmp_path, two_files):
     pytest.importorskip("torch")
+    pytest.importorskip("twinkle_backend_hf")  # the recipe's model class
     from twinkle_core.train.recipe import recipe_from_dict, validate_components
 
     base = {"model": {"config": {"model_type": "qwen2"}, "tokenizer": "tok"}}

@@ -9,8 +9,6 @@ import types
 
 import pytest
 import torch
-import transformers
-from transformers.models.llama import modeling_llama
 
 from twinkle_core import hookimpl
 from twinkle_core.accelerator import CPUAccelerator
@@ -18,6 +16,9 @@ from twinkle_core.errors import ConfigError
 from twinkle_core.kernels import apply_kernels, enabled_kernels
 from twinkle_core.plugins import TwinklePlugins, reset_plugins
 from twinkle_core.records import AcceleratorRecord, KernelRecord
+
+transformers = pytest.importorskip("transformers")  # twinkle-core alone: the function swaps need a real network
+modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 
 TOY = "twinkle_toy_kernels"
 LLAMA = "transformers.models.llama.modeling_llama"

@@ -255,6 +255,7 @@ def test_an_unknown_name_suggests_the_one_meant(kind, name, available, meant):
 
 
 def test_a_recipe_with_another_frameworks_precision_name_is_told_ours(monkeypatch):
+    pytest.importorskip("twinkle_backend_hf")  # the recipe's model class
     from twinkle_core.train.recipe import recipe_from_dict, validate_plugin_names
 
     reset_plugins()

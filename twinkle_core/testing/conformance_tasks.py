@@ -59,15 +59,26 @@ def _value_loss(outputs: dict[str, Any], inputs: dict[str, Any]) -> Any:
 
 
 class TaskContract:
-    """Needs the suite's ``twinkle_factory`` fixture (``factory(seed=, task=)`` builds a model for the task)."""
+    """Needs the suite's ``twinkle_factory`` fixture (``factory(seed=, task=)`` builds a model for the task).
+
+    ``twinkle_task_for_kind`` (``kind -> Task``) gives the task each kind is checked with: by default one that
+    leaves the network's outputs as they are; a task plugin overrides it to put its own task through the same
+    checks (a reward model's task for ``token_value``), on every backend it is run against."""
+
+    @pytest.fixture
+    def twinkle_task_for_kind(self) -> Any:
+        return kind_task
 
     @pytest.mark.parametrize("kind", MODEL_KINDS)
-    def test_each_model_kind_is_built_or_refused_before_building(self, twinkle_factory, kind, monkeypatch):
+    def test_each_model_kind_is_built_or_refused_before_building(self, twinkle_factory, twinkle_task_for_kind, kind,
+                                                                 monkeypatch):
         from twinkle_core.errors import ConfigError
 
+        task = twinkle_task_for_kind(kind)
+        assert task.model_kind == kind, f"the task for kind {kind!r} asks for {task.model_kind!r}"
         model_cls = type(twinkle_factory(seed=0))
         if _declares(model_cls, kind):
-            model = twinkle_factory(seed=0, task=kind_task(kind))
+            model = twinkle_factory(seed=0, task=task)
             getattr(self, f"_check_{kind}")(model)
             return
 
@@ -76,7 +87,7 @@ class TaskContract:
 
         monkeypatch.setattr(model_cls, "build_network", build_network)
         with pytest.raises(ConfigError, match=f"model_kind '{kind}'.*{model_cls.__name__}"):
-            twinkle_factory(seed=0, task=kind_task(kind))
+            twinkle_factory(seed=0, task=task)
 
     def _check_causal_lm(self, model: Any) -> None:
         batch = local_rows(model, make_batch(50))
