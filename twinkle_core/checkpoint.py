@@ -11,6 +11,8 @@ Checkpoint state files are data, never code: :func:`load_state_file` reads them 
 A training run keeps its checkpoints in its output directory as ``checkpoint-N`` (after optimizer
 step N) and ``checkpoint-N-interrupted`` (saved when training stopped early); see
 :func:`checkpoint_name`, :func:`list_checkpoints`, :func:`latest_checkpoint` and :func:`prune_checkpoints`.
+Markers written inside :func:`run_lineage` also record the run's id and save time, so that
+:func:`latest_checkpoint` keeps to the checkpoints of the run that saved last.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import pickle
 import random
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,29 @@ logger = logging.getLogger(__name__)
 MARKER = CheckpointLayout.MARKER
 STATE_DIR = CheckpointLayout.STATE_DIR
 _CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)(-interrupted)?$")
+#: the run id written into the markers of this context (:func:`run_lineage`)
+_LINEAGE: ContextVar[str | None] = ContextVar("twinkle_checkpoint_lineage", default=None)
+
+
+@contextmanager
+def run_lineage(run_id: str | None) -> Iterator[None]:
+    """Every checkpoint marker written inside the block records ``run_id`` (and when it was saved), so that
+    :func:`latest_checkpoint` resumes a run's own checkpoints and not another run's in the same directory."""
+    token = _LINEAGE.set(run_id)
+    try:
+        yield
+    finally:
+        _LINEAGE.reset(token)
+
+
+def read_marker(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The marker of the checkpoint at ``path`` without its file list (``{}`` when it is missing or unreadable)."""
+    try:
+        with open(os.path.join(path, MARKER)) as fh:
+            marker = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in marker.items() if k != "files"} if isinstance(marker, dict) else {}
 
 
 class CheckpointError(TwinkleError, RuntimeError):
@@ -46,10 +73,13 @@ class CheckpointError(TwinkleError, RuntimeError):
 
 
 @contextmanager
-def atomic_directory(final_path: str, *, is_main: bool, metadata: dict[str, Any] | None = None) -> Iterator[str]:
-    """Yield a temporary directory that becomes ``final_path`` when the block succeeds (on all ranks).
+def atomic_directory(final_path: str, *, is_main: bool, metadata: dict[str, Any] | None = None,
+                     marker: str = MARKER) -> Iterator[str]:
+    """Yield a temporary directory that becomes ``final_path`` when the block succeeds (on all ranks), with
+    ``marker`` (every file's size and sha256, and ``metadata``) written last.
 
-    On any failure the staging directory is removed and an existing ``final_path`` stays as it was."""
+    On any failure the staging directory is removed and an existing ``final_path`` stays as it was. ``marker``
+    names what the directory is: a training checkpoint (:data:`MARKER`) or another kind (an export)."""
     parent, name = os.path.split(os.path.abspath(final_path))
     staging = os.path.join(parent, f".{name}.incomplete")
     try:
@@ -62,9 +92,11 @@ def atomic_directory(final_path: str, *, is_main: bool, metadata: dict[str, Any]
         distributed.barrier()
         if is_main:
             # the manifest is computed once every rank has written its files (the barrier above)
-            manifest = _manifest(staging)
-            _write_synced(os.path.join(staging, MARKER),
-                          json.dumps({"format": 2, **(metadata or {}), "files": manifest}, indent=2, default=str))
+            files = manifest(staging, marker=marker, sync=True)
+            lineage = {"run_id": _LINEAGE.get(), "saved_at": time.time()} if _LINEAGE.get() else {}
+            _write_synced(os.path.join(staging, marker),
+                          json.dumps({"format": 2, **lineage, **(metadata or {}), "files": files}, indent=2,
+                                     default=str))
             _fsync_directories(staging)
             if os.path.exists(final_path):
                 retired = os.path.join(parent, f".{name}.replaced")
@@ -112,13 +144,13 @@ def _out_of_space(directory: str) -> bool:
         return False
 
 
-def _files(root: str) -> list[str]:
+def _files(root: str, marker: str) -> list[str]:
     """Every file under ``root`` except the marker, as sorted ``/``-separated relative paths."""
     found = []
     for directory, _, names in os.walk(root):
         for file_name in names:
             rel = os.path.relpath(os.path.join(directory, file_name), root).replace(os.sep, "/")
-            if rel != MARKER:
+            if rel != marker:
                 found.append(rel)
     return sorted(found)
 
@@ -134,9 +166,13 @@ def _sha256(path: str, *, sync: bool = False) -> str:
     return digest.hexdigest()
 
 
-def _manifest(root: str) -> dict[str, dict[str, Any]]:
-    return {rel: {"size": os.path.getsize(os.path.join(root, rel)), "sha256": _sha256(os.path.join(root, rel), sync=True)}
-            for rel in _files(root)}
+def manifest(root: str | os.PathLike[str], *, marker: str = MARKER, sync: bool = False) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"size", "sha256"}}`` of every file under ``root`` but ``marker`` (``/``-separated,
+    sorted); ``sync`` also flushes each file to disk (other ranks wrote them)."""
+    root = os.fspath(root)
+    return {rel: {"size": os.path.getsize(os.path.join(root, rel)),
+                  "sha256": _sha256(os.path.join(root, rel), sync=sync)}
+            for rel in _files(root, marker)}
 
 
 def _write_synced(path: str, text: str) -> None:
@@ -188,24 +224,38 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> None:
     if not os.path.isfile(marker):
         raise CheckpointError(f"{path} is not a complete Twinkle checkpoint: {marker} is missing (the save did not "
                               f"finish)")
+    verify_files(path)
+
+
+def verify_files(path: str | os.PathLike[str], *, marker: str = MARKER) -> int | None:
+    """Check every file the ``marker`` of the directory at ``path`` lists (size, then sha256); return how many, or
+    ``None`` for a marker of an older format that lists none. Raises :class:`CheckpointError` naming the first
+    missing, short or altered file."""
+    path = os.fspath(path)
+    marker_path = os.path.join(path, marker)
     try:
-        with open(marker) as fh:
-            manifest = json.load(fh).get("files")
+        with open(marker_path) as fh:
+            files = json.load(fh).get("files")
     except (OSError, ValueError, AttributeError) as exc:
-        raise CheckpointError(f"{marker} is corrupt: {exc}") from exc
-    if manifest is None:
-        return
-    for rel, expected in manifest.items():
-        file_path = os.path.join(path, *rel.split("/"))
+        raise CheckpointError(f"{marker_path} is corrupt: {exc}") from exc
+    if files is None:
+        return None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{marker_path} is corrupt: its 'files' entry is not a mapping")
+    for rel, expected in files.items():
+        file_path = os.path.join(path, *str(rel).split("/"))
+        if not isinstance(expected, dict):
+            raise CheckpointError(f"{marker_path} is corrupt: it records no size and sha256 for {rel}")
         if not os.path.isfile(file_path):
             raise CheckpointError(f"checkpoint file {file_path} is missing")
         size = os.path.getsize(file_path)
-        if size != expected["size"]:
-            raise CheckpointError(f"checkpoint file {file_path} is {size} bytes, but {expected['size']} were "
+        if size != expected.get("size"):
+            raise CheckpointError(f"checkpoint file {file_path} is {size} bytes, but {expected.get('size')} were "
                                   f"written: the file is truncated or was replaced")
-        if _sha256(file_path) != expected["sha256"]:
+        if _sha256(file_path) != expected.get("sha256"):
             raise CheckpointError(f"checkpoint file {file_path} is corrupt: its sha256 does not match the one "
-                                  f"recorded in {MARKER}")
+                                  f"recorded in {marker}")
+    return len(files)
 
 
 def load_state_file(path: str, **kwargs: Any) -> Any:
@@ -244,11 +294,31 @@ def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[tuple[int, bool
     return sorted(found, key=lambda item: (item[0], not item[1]))
 
 
+def latest_lineage(output_dir: str | os.PathLike[str]) -> str | None:
+    """The run id of the checkpoint saved last under ``output_dir`` (None when no marker records one)."""
+    saved = []
+    for _, _, path in list_checkpoints(output_dir):
+        marker = read_marker(path)
+        if marker.get("run_id") and isinstance(marker.get("saved_at"), (int, float)):
+            saved.append((marker["saved_at"], marker["run_id"]))
+    return max(saved)[1] if saved else None
+
+
 def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
     """The newest checkpoint under ``output_dir`` that passes :func:`verify_checkpoint`; broken ones are skipped
     with a warning. Directories without a marker were not written by :func:`atomic_directory` (another model
-    implementation's format) and cannot be checked here, so they count as they are."""
+    implementation's format) and cannot be checked here, so they count as they are.
+
+    When the markers record run ids (:func:`run_lineage`), only the checkpoints of the run that saved last are
+    candidates: a later step of an older run in the same directory is another run's state, skipped with a warning
+    that says how to resume it explicitly."""
+    lineage = latest_lineage(output_dir)
     for _, _, path in reversed(list_checkpoints(output_dir)):
+        run_id = read_marker(path).get("run_id") if lineage is not None else None
+        if run_id is not None and run_id != lineage:
+            logger.warning("skipping checkpoint %s: it belongs to run %s, not to run %s that saved last here; "
+                           "to continue that run, resume it by path (--resume %s)", path, run_id, lineage, path)
+            continue
         if not is_complete(str(path)):
             return path
         try:

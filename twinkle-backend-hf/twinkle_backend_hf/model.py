@@ -203,7 +203,7 @@ class TransformersModel(TorchTwinkleModel):
                                           safe_serialization=True)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(directory)
-            _warn_if_tokenizer_changes_on_reload(self.tokenizer, directory)
+            _warn_if_tokenizer_changes_on_reload(self.tokenizer, directory, trust_remote_code=self.trust_remote_code)
 
     def read_weights(self, directory: str, adapter_name: str | None) -> dict[str, torch.Tensor]:
         if adapter_name is not None:
@@ -229,12 +229,14 @@ _PROBE = "Twinkle probe: 12 + 30 = 42.\n  indented line\tand a tab"
 logger = logging.getLogger("twinkle.hf")
 
 
-def _warn_if_tokenizer_changes_on_reload(tokenizer: Any, directory: str) -> None:
+def _warn_if_tokenizer_changes_on_reload(tokenizer: Any, directory: str, *, trust_remote_code: bool) -> None:
     """transformers may load a saved tokenizer as the architecture's own class (e.g. ``Qwen2Tokenizer``),
     which can re-tokenise differently from the tokenizer the model was trained with. Say so at save time."""
     import transformers
 
-    reloaded = transformers.AutoTokenizer.from_pretrained(directory)
+    # the switch the model was loaded with: a custom tokenizer's code runs only when it is on, and never asks on stdin
+    with resolve.explain_remote_code_refusal(f"the tokenizer saved in {directory}"):
+        reloaded = transformers.AutoTokenizer.from_pretrained(directory, trust_remote_code=trust_remote_code)
     if reloaded(_PROBE)["input_ids"] != tokenizer(_PROBE)["input_ids"]:
         logger.warning("the tokenizer saved in %s loads back as %s and tokenises differently from the "
                        "training tokenizer (%s); users of this checkpoint will get different token ids. "

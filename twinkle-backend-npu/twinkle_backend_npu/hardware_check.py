@@ -95,7 +95,7 @@ def tiny_qwen2(args: argparse.Namespace) -> Any:
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=max(1, args.heads // 2),
         max_position_embeddings=max(64, args.seq), tie_word_embeddings=False)
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
 
 
 def token_batch(args: argparse.Namespace, seed: int = 0) -> Any:

@@ -144,7 +144,10 @@ class GenerationContract:
         import torch
         from transformers import AutoModelForCausalLM
 
-        network = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        from twinkle_core.sources.resolve import trust_remote_code
+
+        trust = trust_remote_code(getattr(model, "trust_remote_code", None))
+        network = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust)
         expected = set(network.state_dict())
         tied = expected - set(dict(network.named_parameters()) | dict(network.named_buffers()))
         assert not set(state) - expected, f"get_state_dict() names the config's network lacks: {sorted(set(state) - expected)[:5]}"

@@ -155,7 +155,12 @@ def data_options(recipe: Recipe, task: Task, output_dir: Path) -> dict[str, Any]
     options.update({key: getattr(d, key) for key in DATA_KEYS if getattr(d, key) is not None})
     if isinstance(d.train, list) or isinstance(d.eval, list):  # mixing several sources
         options["seed"] = d.seed if d.seed is not None else recipe.train.seed
-    if "cache_dir" in _keyword_parameters(task.load_dataset) and d.cache_dir is not False \
+    accepted = _keyword_parameters(task.load_dataset)
+    if "trust_remote_code" in accepted:  # a task that loads a processor or other repository files itself
+        from twinkle_core.sources.resolve import trust_remote_code
+
+        options["trust_remote_code"] = trust_remote_code(recipe.model.trust_remote_code)
+    if "cache_dir" in accepted and d.cache_dir is not False \
             and "cache_dir" not in options:
         options["cache_dir"] = str(output_dir / "data_cache") if d.cache_dir in (None, True) else str(d.cache_dir)
     return options

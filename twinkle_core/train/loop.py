@@ -16,6 +16,14 @@ checkpoint's is refused with a ConfigError rather than silently ignored (the mod
 to change them on a resumed optimizer and its schedule). Another world size or batch layout: see
 :mod:`twinkle_core.train.resharding`. ``resume_weights_only`` loads only a checkpoint's weights and starts at step 0.
 
+One run per output directory: :meth:`Trainer.run` takes an exclusive lock on ``output_dir`` (the file
+``.twinkle.lock``, :class:`~twinkle_core.train.run_lock.RunLock`) on the main process before anything is
+written there and gives it back when the run ends, also on errors and signals; a second run on the same
+directory is refused at once with a ConfigError naming the holder's pid and host. Every checkpoint marker
+records the run's id (:func:`twinkle_core.checkpoint.run_lineage`; a run resumed exactly keeps the id of the
+run it continues), and ``resume: latest`` only considers the checkpoints of the run that saved last in
+``output_dir`` (another run's later ``checkpoint-N`` is skipped with a warning naming the path to resume it by).
+
 Stopping early: a first SIGINT (Ctrl+C) or SIGTERM only asks to stop; the loop finishes the current
 optimizer step, saves ``checkpoint-N-interrupted`` (weights and counters of the same step) and raises
 KeyboardInterrupt. With several processes the request is summed over the ranks at every step boundary,
@@ -80,11 +88,12 @@ import math
 import os
 import signal
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from twinkle_core import distributed
+from twinkle_core import checkpoint, distributed
 from twinkle_core.errors import ConfigError
 from twinkle_core.train.batch_stats import batch_tokens, is_finite, label_tokens, loss_and_tokens
 from twinkle_core.train.batches import BatchStream
@@ -103,6 +112,7 @@ from twinkle_core.train.guards import (  # noqa: F401 - MAX_NONFINITE_STEPS, LAB
 )
 from twinkle_core.train.logging import StartupTimer, json_safe, take_startup_timer
 from twinkle_core.train.recipe import Recipe, load_recipe, recipe_from_dict, recipe_to_dict
+from twinkle_core.train.run_lock import RunLock
 from twinkle_core.train.seeding import seed_everything  # noqa: F401 - part of this module's public names
 from twinkle_core.train.step_log import StepReporter, StepWindow, startup_report
 
@@ -145,6 +155,12 @@ class Trainer:
         #: where the time before the first optimizer step went (``summary["startup"]``)
         self.startup_timer: StartupTimer = take_startup_timer()
         self.startup: dict[str, Any] | None = None
+        #: the lock on ``output_dir`` while :meth:`run` runs (main process only)
+        self.run_lock: RunLock | None = None
+        #: this run's id (the lock's on the main process); ``lineage``: the id its checkpoint markers record, the
+        #: id of the run it continues when resumed exactly (``--resume latest`` keeps to one lineage)
+        self.run_id: str = uuid.uuid4().hex
+        self.lineage: str | None = None
 
     # ------------------------------------------------------------------ the built run
     @property
@@ -191,22 +207,37 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
+        """Train; the output directory is locked (:class:`RunLock`, main process) from before anything is written
+        there until the run ends, also on errors and signals."""
         started = time.time()
+        lock = RunLock(self.output_dir) if distributed.is_main_process() else None  # RANK before the group exists
+        if lock is not None:
+            lock.acquire()  # a second run on this directory is refused here, before building anything
+        self.run_lock = lock
+        self.run_id = lock.run_id if lock is not None else uuid.uuid4().hex
+        try:
+            return self._run(started)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _run(self, started: float) -> dict[str, Any]:
         resumed_from = self._start()
         reporter = self._open_reporter(started)
         stop = StopSignals()
         outcome = RunOutcome()
-        try:
-            with stop, bar_friendly_logging(reporter.show_bar):
-                self._train(reporter, stop, outcome)
-        except BaseException as exc:
-            reported_as = self._stopped(exc, reporter, stop)
-            if reported_as is not None:
-                raise reported_as from exc
-            raise
-        finally:
-            reporter.close()
-            self.plan.task.close()
+        with checkpoint.run_lineage(self.lineage):  # also for checkpoint-N-interrupted
+            try:
+                with stop, bar_friendly_logging(reporter.show_bar):
+                    self._train(reporter, stop, outcome)
+            except BaseException as exc:
+                reported_as = self._stopped(exc, reporter, stop)
+                if reported_as is not None:
+                    raise reported_as from exc
+                raise
+            finally:
+                reporter.close()
+                self.plan.task.close()
         summary = self._summary(outcome, resumed_from, started)
         if self.is_main:
             self._write_summary(summary)
@@ -227,6 +258,9 @@ class Trainer:
                 self.checkpointer = Checkpointer(run, is_main=self.is_main, resume=self.resume_spec,
                                                  weights_only=self.weights_only_spec)
                 resumed = self.checkpointer.resume()
+                # a run continued exactly keeps its checkpoints' run id; a fresh one (or from weights only) is new
+                continued = checkpoint.read_marker(resumed.path).get("run_id") if resumed and self.resume_spec else None
+                self.lineage = continued or self.run_id
                 self.step = resumed.step if resumed is not None else 0
                 self.stream = BatchStream(run.loader, epoch=resumed.epoch if resumed is not None else 0)
                 self.evaluator = Evaluator(run, self._global_sum)

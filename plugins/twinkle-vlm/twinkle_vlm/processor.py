@@ -9,28 +9,64 @@
 * ``min_pixels`` / ``max_pixels``: the pixel budget of one image (Qwen2-VL family: images are resized to a
   multiple of the patch grid whose area lies within the budget). Processors with a fixed input size (InternVL,
   Gemma 3) have no such budget: these options are refused for them, with the option that does apply.
+
+Custom code: every load passes the resolved switch (:func:`twinkle_core.sources.resolve.trust_remote_code`:
+``trust_remote_code=`` of :func:`load_processor`, else ``TWINKLE_TRUST_REMOTE_CODE``) to transformers explicitly,
+so transformers never asks "Do you wish to run the custom code? [y/N]" on stdin. With the switch off, a directory
+whose config, tokenizer, processor or image processor declares custom code (``auto_map``) is refused before
+transformers reads it, with an error naming the switches.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from twinkle_core.errors import ConfigError
+from twinkle_core.sources import resolve
+
+#: the files of a model directory where transformers looks for ``auto_map`` (custom code to import)
+CUSTOM_CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json",
+                     "video_preprocessor_config.json", "image_processor_config.json")
 
 
-def _model_type(model_dir: str) -> str:
+def refuse_custom_code(directory: str | os.PathLike[str], what: str, trust: bool) -> None:
+    """With the switch off, refuse ``directory`` when one of its configs declares custom code (``auto_map``):
+    transformers would otherwise import it, ask on stdin, or silently swap in a built-in class."""
+    if trust or not os.path.isdir(directory):
+        return
+    for name in CUSTOM_CODE_FILES:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                content = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read {path}: {exc}; fix or remove that file") from exc
+        if isinstance(content, Mapping) and content.get("auto_map"):
+            raise ConfigError(f"{what} ({path}) names custom code in its auto_map, and running a model "
+                              f"repository's code is off; {resolve.REMOTE_CODE_FIX}")
+
+
+def _model_type(model_dir: str, trust: bool) -> str:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_dir).model_type
+    refuse_custom_code(model_dir, f"the model directory {model_dir}", trust)
+    with resolve.explain_remote_code_refusal(f"the model config at {model_dir}"):
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust).model_type
 
 
-def _image_processor(spec: Any) -> Any:
+def _image_processor(spec: Any, trust: bool) -> Any:
     import transformers
 
     if isinstance(spec, (str, os.PathLike)):
-        return transformers.AutoImageProcessor.from_pretrained(os.fspath(spec))
+        path = os.fspath(spec)
+        refuse_custom_code(path, f"the image processor at {path}", trust)
+        with resolve.explain_remote_code_refusal(f"the image processor at {path}"):
+            return transformers.AutoImageProcessor.from_pretrained(path, trust_remote_code=trust)
     if not isinstance(spec, Mapping):
         raise ConfigError("task_options.image_processor must be a directory or a config mapping with "
                           f"'image_processor_type', got {type(spec).__name__}")
@@ -43,17 +79,17 @@ def _image_processor(spec: Any) -> Any:
     return cls(**options)
 
 
-def _assembled(tokenizer: Any, model_dir: str, spec: Any) -> Any:
+def _assembled(tokenizer: Any, model_dir: str, spec: Any, trust: bool) -> Any:
     import transformers
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-    model_type = _model_type(model_dir)
+    model_type = _model_type(model_dir, trust)
     class_name = PROCESSOR_MAPPING_NAMES.get(model_type)
     if class_name is None:
         raise ConfigError(f"transformers has no processor class for model_type {model_type!r}; give "
                           "task_options.processor (a directory with the processor files) instead")
     cls = getattr(transformers, class_name)
-    return cls(image_processor=_image_processor(spec), tokenizer=tokenizer,
+    return cls(image_processor=_image_processor(spec, trust), tokenizer=tokenizer,
                chat_template=getattr(tokenizer, "chat_template", None))
 
 
@@ -74,29 +110,35 @@ def apply_pixel_limits(image_processor: Any, min_pixels: int | None, max_pixels:
     size.shortest_edge, size.longest_edge = low, high
 
 
-def load_processor(tokenizer: Any, options: Mapping[str, Any]) -> Any:
+def load_processor(tokenizer: Any, options: Mapping[str, Any], *, trust_remote_code: bool | None = None) -> Any:
     """The processor the ``vlm`` task renders and encodes with (see the module doc for ``options``).
 
     Its tokenizer is the trainer's ``tokenizer``, so the ids the task produces are the ones the model and
-    the saved checkpoint use."""
+    the saved checkpoint use. ``trust_remote_code``: whether the processor's own code may run (``None``:
+    ``TWINKLE_TRUST_REMOTE_CODE``, off by default)."""
     from transformers import AutoProcessor
 
     from twinkle_vlm.compat import allow_processors_without_torchvision
 
     allow_processors_without_torchvision()
+    trust = resolve.trust_remote_code(trust_remote_code)
     model_dir = getattr(tokenizer, "name_or_path", None)
     if options.get("image_processor") is not None:
         if not model_dir or not os.path.isdir(model_dir):
             raise ConfigError("task_options.image_processor needs the model directory to find the processor class; "
                               "the tokenizer was not loaded from a directory")
-        processor = _assembled(tokenizer, model_dir, options["image_processor"])
+        processor = _assembled(tokenizer, model_dir, options["image_processor"], trust)
     else:
         path = options.get("processor") or model_dir
         if not path:
             raise ConfigError("the vlm task needs a processor: set task_options.processor to a directory with the "
                               "processor files (or task_options.image_processor to assemble one)")
+        refuse_custom_code(os.fspath(path), f"the processor at {path}", trust)
         try:
-            processor = AutoProcessor.from_pretrained(os.fspath(path))
+            with resolve.explain_remote_code_refusal(f"the processor at {path}"):
+                processor = AutoProcessor.from_pretrained(os.fspath(path), trust_remote_code=trust)
+        except ConfigError:
+            raise
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot load a processor from {path}: {exc}; set task_options.processor to a "
                               "directory with preprocessor_config.json (or task_options.image_processor)") from exc
@@ -111,4 +153,4 @@ def load_processor(tokenizer: Any, options: Mapping[str, Any]) -> Any:
     return processor
 
 
-__all__ = ["apply_pixel_limits", "load_processor"]
+__all__ = ["CUSTOM_CODE_FILES", "apply_pixel_limits", "load_processor", "refuse_custom_code"]

@@ -198,6 +198,8 @@ class VLMTask(TrainablePartsMixin, Task):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self.processor: Any = None
+        #: whether the processor may run its repository's code (None: TWINKLE_TRUST_REMOTE_CODE decides)
+        self.trust_remote_code: bool | None = None
         self.encoder: VLMEncoder | None = None
         self._rope_index: Any = None
         self._rope_checked = False
@@ -205,22 +207,28 @@ class VLMTask(TrainablePartsMixin, Task):
     def _option(self, value: Any, key: str, default: Any) -> Any:
         return value if value is not None else self.options.get(key, default)
 
-    def processor_for(self, tokenizer: Any) -> Any:
-        """The processor (loaded once per tokenizer, see :func:`~twinkle_vlm.processor.load_processor`)."""
+    def processor_for(self, tokenizer: Any, trust_remote_code: bool | None = None) -> Any:
+        """The processor (loaded once per tokenizer, see :func:`~twinkle_vlm.processor.load_processor`);
+        ``trust_remote_code``: the recipe's ``model.trust_remote_code`` (``None``: the environment's switch)."""
+        if trust_remote_code is not None:
+            self.trust_remote_code = trust_remote_code
         if self.processor is None or self.processor.tokenizer is not tokenizer:
-            self.processor = load_processor(tokenizer, self.options)
+            self.processor = load_processor(tokenizer, self.options,
+                                            trust_remote_code=self.trust_remote_code)
         return self.processor
 
     def load_dataset(self, path: Any, tokenizer: Any, *, max_length: int | None = None, packing: bool | None = None,
                      truncation: str | None = None, columns: dict[str, str] | None = None,
-                     seed: int | None = None) -> list[VLMFeature]:
-        """Validate every row and image of ``path`` (a data spec or a list of rows), then encode them."""
+                     seed: int | None = None, trust_remote_code: bool | None = None) -> list[VLMFeature]:
+        """Validate every row and image of ``path`` (a data spec or a list of rows), then encode them.
+        ``trust_remote_code`` (the trainer passes the recipe's resolved switch) decides whether the processor
+        may run its repository's code."""
         max_length = self._option(max_length, "max_length", None)
         packing = bool(self._option(packing, "packing", False))
         if packing and max_length is None:
             raise ConfigError("packing needs max_length (the length of a packed row)")
         samples = load_samples(path, columns=self._option(columns, "columns", None), seed=int(seed or 0))
-        self.encoder = VLMEncoder(self.processor_for(tokenizer), max_length=max_length,
+        self.encoder = VLMEncoder(self.processor_for(tokenizer, trust_remote_code), max_length=max_length,
                                   truncation=self._option(truncation, "truncation", "right"))
         features = []
         for sample in samples:

@@ -53,7 +53,8 @@ def tiny_tokenizer(model_type: str) -> Any:
 
         with tempfile.TemporaryDirectory() as staging:
             tokenizer.save_pretrained(staging)
-            tokenizer = AutoTokenizer.from_pretrained(staging, **family.tokenizer_attributes)
+            tokenizer = AutoTokenizer.from_pretrained(staging, trust_remote_code=False,
+                                                      **family.tokenizer_attributes)
     return tokenizer
 
 
@@ -84,7 +85,7 @@ def build_tiny_vlm(model_type: str, *, seed: int = 0) -> tuple[Any, Any]:
     config = tiny_config(model_type, processor)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32, trust_remote_code=False)
     return model, processor
 
 

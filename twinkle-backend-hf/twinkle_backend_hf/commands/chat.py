@@ -112,12 +112,14 @@ def chat(args: argparse.Namespace) -> int:
         load_model,
         load_tokenizer,
         resolve_checkpoint,
+        verify_checkpoint_files,
     )
 
     # wrong options and a wrong path fail before any weights load
     generation_kwargs(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                       stops=[], pad_id=0)
     ckpt = resolve_checkpoint(args.checkpoint, args.base)
+    verify_checkpoint_files(ckpt)  # a damaged file is refused before any of them is loaded
     tokenizer = load_tokenizer(ckpt)
     session = ChatSession(load_model(ckpt, dtype=args.dtype, device=args.device), tokenizer, system=args.system,
                           temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)

@@ -13,18 +13,53 @@ Only this module's functions import torch / transformers / peft, and only when c
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twinkle_core.errors import ConfigError
+from twinkle_core import checkpoint
+from twinkle_core.checkpoint_layout import CheckpointLayout
+from twinkle_core.errors import ConfigError, TwinkleError
+from twinkle_core.sources import resolve
 
 WHAT_IS_A_CHECKPOINT = ("pass a directory written by 'twinkle train' (OUTPUT_DIR, OUTPUT_DIR/final or "
                         "OUTPUT_DIR/checkpoint-N), a Hugging Face model directory or a PEFT adapter directory")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: the marker ``twinkle export`` writes last into its output: every file with its size and sha256 (the format of
+#: the training checkpoints' ``twinkle_checkpoint.json``, under its own name so an export is never taken for a
+#: resumable training checkpoint)
+EXPORT_MARKER = "twinkle_export.json"
+DAMAGED_FIX = ("the checkpoint is damaged (a disk or copy error, or an edit): use another copy or an earlier "
+               "OUTPUT_DIR/checkpoint-N, or save it again")
+
+
+class CheckpointDamagedError(TwinkleError, RuntimeError):
+    """A checkpoint whose files do not match the sizes and hashes its marker recorded."""
+
+
+class OutputWriteError(TwinkleError, OSError):
+    """A command's output could not be written (disk full, no permission); what was there before is unchanged."""
+
+
+def output_write_error(path: Path, exc: OSError) -> OutputWriteError:
+    full = " (the disk is full: free space or choose another disk)" if exc.errno == errno.ENOSPC else ""
+    return OutputWriteError(f"could not write {path}: {exc.strerror or exc}{full}; nothing was replaced there; "
+                            f"choose a writable location with --output")
+
+
+def check_parent_writable(output: Path, flag: str = "--output") -> None:
+    """A clear error when a directory above ``output`` is a file (mkdir would fail there)."""
+    for parent in output.resolve().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{flag} {output}: {parent} is a file, not a directory; choose another path")
+            return
 
 
 @dataclass
@@ -79,6 +114,67 @@ def resolve_checkpoint(path: str | os.PathLike[str], base: str | None = None) ->
     return Checkpoint(p, "full")
 
 
+# ---------------------------------------------------------------------- verification
+def verify_manifest(directory: Path, marker_name: str) -> int | None:
+    """Check every file ``directory/marker_name`` lists (the core's :func:`~twinkle_core.checkpoint.verify_files`);
+    the number of files checked, None for a marker of an older format that lists no files. Raises
+    :class:`CheckpointDamagedError` naming the first missing, short or altered file and the fix."""
+    try:
+        return checkpoint.verify_files(directory, marker=marker_name)
+    except checkpoint.CheckpointError as exc:
+        raise CheckpointDamagedError(f"{exc} (listed in {marker_name}); {DAMAGED_FIX}") from None
+
+
+def verify_directory(directory: Path) -> None:
+    """Verify ``directory`` against its Twinkle marker (a training checkpoint's or an export's), printing one line
+    either way: what was verified, or that a plain directory without a marker was not."""
+    for marker_name in (CheckpointLayout.MARKER, EXPORT_MARKER):
+        if (directory / marker_name).is_file():
+            count = verify_manifest(directory, marker_name)
+            done = (f"{count} files verified against {marker_name}" if count is not None
+                    else f"{marker_name} lists no files (an older format): not verified")
+            print(f"twinkle: {directory}: {done}", file=sys.stderr)
+            return
+    print(f"twinkle: {directory}: no Twinkle marker: not verified", file=sys.stderr)
+
+
+def verify_checkpoint_files(ckpt: Checkpoint) -> None:
+    """Verify the checkpoint (and an adapter's local base model) before any of its files is loaded."""
+    verify_directory(ckpt.path)
+    if ckpt.kind == "adapter" and ckpt.base and Path(ckpt.base).is_dir():
+        verify_directory(Path(ckpt.base))
+
+
+def input_directories(ckpt: Checkpoint) -> list[Path]:
+    """The directories a command reads the checkpoint from (an adapter's local base included), resolved."""
+    dirs = [ckpt.path.resolve()]
+    if ckpt.kind == "adapter" and ckpt.base and Path(ckpt.base).is_dir():
+        dirs.append(Path(ckpt.base).resolve())
+    return dirs
+
+
+def is_within(path: Path, directory: Path) -> bool:
+    """Whether resolved ``path`` is ``directory`` or lies below it."""
+    return path == directory or directory in path.parents
+
+
+@contextmanager
+def atomic_export_directory(final: Path, metadata: dict[str, Any]) -> Iterator[Path]:
+    """Yield a staging directory beside ``final`` that replaces ``final`` (whole) once the block succeeds, with
+    :data:`EXPORT_MARKER` written last (the core's :func:`~twinkle_core.checkpoint.atomic_directory`); on failure
+    the staging directory goes and ``final`` stays as it was. A write error is one :class:`OutputWriteError`."""
+    final = final.resolve()
+    try:
+        with checkpoint.atomic_directory(str(final), is_main=True, metadata=metadata, marker=EXPORT_MARKER) as staging:
+            yield Path(staging)
+    except OSError as exc:
+        raise output_write_error(final, exc) from None
+    except checkpoint.CheckpointError as exc:  # the core's "disk full" names a checkpoint; say it of the export
+        if not isinstance(exc.__cause__, OSError):
+            raise
+        raise output_write_error(final, exc.__cause__) from None
+
+
 def torch_dtype(name: str | None) -> Any:
     import torch
 
@@ -99,12 +195,6 @@ def default_device(device: str | None = None) -> str:
     return str(current_accelerator().device())
 
 
-def _trust_remote_code() -> bool:
-    from twinkle_core.envflags import env_flag
-
-    return env_flag("TWINKLE_TRUST_REMOTE_CODE")
-
-
 def load_tokenizer(ckpt: Checkpoint) -> Any:
     from transformers import AutoTokenizer
 
@@ -112,7 +202,8 @@ def load_tokenizer(ckpt: Checkpoint) -> Any:
     if ckpt.kind == "adapter" and not any((ckpt.path / f).is_file()
                                           for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         source = ckpt.base  # an adapter saved without its tokenizer: the base's
-    return AutoTokenizer.from_pretrained(str(source), trust_remote_code=_trust_remote_code())
+    with resolve.explain_remote_code_refusal(f"the tokenizer at {source}"):
+        return AutoTokenizer.from_pretrained(str(source), trust_remote_code=resolve.trust_remote_code())
 
 
 def load_model(ckpt: Checkpoint, *, dtype: str | None = "auto", device: str | None = None,
@@ -120,9 +211,10 @@ def load_model(ckpt: Checkpoint, *, dtype: str | None = "auto", device: str | No
     """The model, in eval mode, on ``device``: a PEFT model for an adapter (merged when ``merge``)."""
     from transformers import AutoModelForCausalLM
 
-    trust = _trust_remote_code()
     source = ckpt.base if ckpt.kind == "adapter" else str(ckpt.path)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype), trust_remote_code=trust)
+    with resolve.explain_remote_code_refusal(f"the model at {source}"):
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype),
+                                                     trust_remote_code=resolve.trust_remote_code())
     if ckpt.kind == "adapter":
         try:
             from peft import PeftModel

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,10 @@ class EvalCommand(Command):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("checkpoint", help="checkpoint directory")
         parser.add_argument("data", nargs="?", help="chat or text rows (JSONL, or any format twinkle train reads)")
-        parser.add_argument("--output", "-o", metavar="FILE", help="also write the results as JSON")
+        parser.add_argument("--output", "-o", metavar="FILE",
+                            help="also write the results as JSON (never over an input; an existing file only with "
+                                 "--overwrite)")
+        parser.add_argument("--overwrite", action="store_true", help="replace an existing --output FILE")
         parser.add_argument("--limit", type=int, help="evaluate the first N rows only (lm-eval: N per task)")
         parser.add_argument("--batch-size", type=int, default=8, help="rows per forward / generate call (default 8)")
         parser.add_argument("--max-length", type=int, help="truncate sequences to this many tokens "
@@ -239,10 +243,17 @@ def _json_safe(value: Any) -> Any:
 
 
 def evaluate(args: argparse.Namespace) -> int:
-    from twinkle_backend_hf.commands.checkpoint_loading import load_model, load_tokenizer, resolve_checkpoint
+    from twinkle_backend_hf.commands.checkpoint_loading import (
+        load_model,
+        load_tokenizer,
+        resolve_checkpoint,
+        verify_checkpoint_files,
+    )
 
     tasks = checked_tasks(args)
     ckpt = resolve_checkpoint(args.checkpoint, args.base)
+    output = checked_output(args, ckpt)
+    verify_checkpoint_files(ckpt)  # a damaged file is refused before any of them is loaded
     examples = read_examples(args.data, args.limit) if args.data else []
     tokenizer = load_tokenizer(ckpt)
     if any("messages" in e for e in examples) and not getattr(tokenizer, "chat_template", None):
@@ -255,9 +266,38 @@ def evaluate(args: argparse.Namespace) -> int:
         results["lm_eval"] = run_lm_eval(model, tokenizer, tasks, batch_size=args.batch_size, limit=args.limit,
                                          include_path=args.include_path)
     print(format_table(results))
-    if args.output:
-        write_results(results, Path(args.output).expanduser())
+    if output is not None:
+        write_results(results, output)
     return 0
+
+
+def checked_output(args: argparse.Namespace, ckpt: Any) -> Path | None:
+    """The ``--output`` file, checked before anything loads: never a directory, a file of the checkpoint (or of
+    an adapter's base) or the data file, and an existing file only with ``--overwrite``."""
+    from twinkle_backend_hf.commands.checkpoint_loading import (
+        check_parent_writable,
+        input_directories,
+        is_within,
+    )
+
+    if not args.output:
+        return None
+    output = Path(args.output).expanduser()
+    resolved = output.resolve()
+    if output.is_dir():
+        raise ConfigError(f"--output {args.output} is a directory; eval writes one JSON file: pass a file path "
+                          f"such as {output / 'eval_results.json'}")
+    for directory in input_directories(ckpt):
+        if is_within(resolved, directory):
+            raise ConfigError(f"--output {args.output} lies inside the checkpoint {directory} that eval reads; "
+                              f"write the results outside it (e.g. --output eval_results.json)")
+    if args.data and resolved == Path(args.data).expanduser().resolve():
+        raise ConfigError(f"--output {args.output} is the data file eval reads; choose another file")
+    if output.exists() and not args.overwrite:
+        raise ConfigError(f"--output {args.output} already exists; choose a new file or add --overwrite to "
+                          f"replace it")
+    check_parent_writable(output)
+    return output
 
 
 def checked_tasks(args: argparse.Namespace) -> list[str]:
@@ -291,7 +331,18 @@ def data_metrics(model: Any, tokenizer: Any, examples: list[dict[str, Any]],
 
 
 def write_results(results: dict[str, Any], path: Path) -> None:
-    if path.parent and not path.parent.exists():
+    """Write the JSON beside ``path`` and rename it into place: a failed write leaves ``path`` as it was."""
+    from twinkle_backend_hf.commands.checkpoint_loading import output_write_error
+
+    staging = path.parent / f".{path.name}.incomplete"
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_json_safe(results), indent=2) + "\n")
+        staging.write_text(json.dumps(_json_safe(results), indent=2) + "\n")
+        os.replace(staging, path)
+    except OSError as exc:
+        staging.unlink(missing_ok=True)
+        raise output_write_error(path, exc) from None
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
     print(f"twinkle: results written to {path}", file=sys.stderr)

@@ -5,6 +5,12 @@ Twinkle's bookkeeping files. A PEFT adapter is merged into its base with ``--mer
 directory that ``AutoModelForCausalLM.from_pretrained`` loads without peft); without it the adapter is
 written as a plain PEFT directory. ``--push-to-hub REPO_ID`` uploads the result with ``huggingface_hub``;
 it needs a token (``HF_TOKEN`` or the token ``hf auth login`` stored), checked before anything loads.
+
+The checkpoint is verified against its Twinkle marker first (when it has one). The output is written into
+``.DIR.incomplete`` and renamed into place with ``twinkle_export.json`` (every file's size and sha256) written
+last, so an interrupted export leaves nothing that looks complete and a damaged one is detected when ``chat``,
+``eval`` or ``export`` read it. ``--output`` is never the checkpoint, inside it or above it; an existing non-empty
+directory is replaced only with ``--overwrite``, and only when it holds a model (a previous export).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ class ExportCommand(Command):
                             help="merge a PEFT (LoRA) adapter into its base and write the merged model")
         parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                             help="largest safetensors shard, e.g. 2GB or 500MB (default 5GB)")
-        parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --output directory")
+        parser.add_argument("--overwrite", action="store_true",
+                            help="replace an existing --output directory that holds a model (a previous export)")
         parser.add_argument("--push-to-hub", metavar="REPO_ID",
                             help="upload the exported directory to this Hugging Face Hub repository (needs HF_TOKEN)")
         parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
@@ -62,19 +69,64 @@ def _check_shard_size(value: str) -> None:
 
 
 def export(ckpt: Any, output: Path, *, merge_lora: bool, max_shard_size: str, dtype: str = "auto") -> Path:
-    from twinkle_backend_hf.commands.checkpoint_loading import load_model, load_tokenizer
+    """Write ``ckpt`` to ``output`` (replacing it whole, atomically) with its ``twinkle_export.json`` marker."""
+    from twinkle_backend_hf.commands.checkpoint_loading import (
+        atomic_export_directory,
+        load_model,
+        load_tokenizer,
+    )
 
     tokenizer = load_tokenizer(ckpt)
     merge = merge_lora and ckpt.kind == "adapter"
     model = load_model(ckpt, dtype=dtype, device="cpu", merge=merge)
     size: Any = int(max_shard_size) if str(max_shard_size).strip().isdigit() else max_shard_size
-    output.mkdir(parents=True, exist_ok=True)
-    if ckpt.kind == "full" or merge:
-        model.config.use_cache = True  # training turns the KV cache off; the exported model generates with it
-        model.save_pretrained(str(output), max_shard_size=size, safe_serialization=True)
-    else:
-        model.save_pretrained(str(output), safe_serialization=True)  # a PEFT directory: adapter files only
-    tokenizer.save_pretrained(str(output))
+    metadata = {"kind": "twinkle-export", "source": str(ckpt.path), "base": ckpt.base,
+                "content": "adapter" if ckpt.kind == "adapter" and not merge else "model"}
+    with atomic_export_directory(output, metadata) as staging:
+        if ckpt.kind == "full" or merge:
+            model.config.use_cache = True  # training turns the KV cache off; the exported model generates with it
+            model.save_pretrained(str(staging), max_shard_size=size, safe_serialization=True)
+        else:
+            model.save_pretrained(str(staging), safe_serialization=True)  # a PEFT directory: adapter files only
+        tokenizer.save_pretrained(str(staging))
+    return output
+
+
+MODEL_FILES = ("config.json", "adapter_config.json", "twinkle_export.json")
+
+
+def checked_output(args: argparse.Namespace, ckpt: Any) -> Path:
+    """The ``--output`` directory, checked before anything loads (see the module docstring for the rules)."""
+    from twinkle_backend_hf.commands.checkpoint_loading import (
+        check_parent_writable,
+        input_directories,
+        is_within,
+    )
+
+    output = Path(args.output).expanduser()
+    resolved = output.resolve()
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"--output {args.output} is a file; export writes a directory: choose a new directory "
+                          f"path")
+    sources = input_directories(ckpt)
+    named = Path(args.checkpoint).expanduser().resolve()
+    for directory in sources + [named]:
+        if is_within(directory, resolved):
+            raise ConfigError(f"--output {args.output} is or contains the checkpoint {directory} that export reads; "
+                              f"choose a directory outside it")
+    for directory in sources:
+        if is_within(resolved, directory):
+            raise ConfigError(f"--output {args.output} lies inside the checkpoint {directory} that export reads; "
+                              f"choose a directory outside it")
+    if output.is_dir() and any(output.iterdir()):
+        if not args.overwrite:
+            raise ConfigError(f"--output {args.output} exists and is not empty; choose a new directory or add "
+                              f"--overwrite")
+        if not any((output / name).is_file() for name in MODEL_FILES):
+            raise ConfigError(f"--output {args.output} holds files but no model (none of {', '.join(MODEL_FILES)}), "
+                              f"so --overwrite would replace something that is not an export; choose a new "
+                              f"directory")
+    check_parent_writable(output)
     return output
 
 
@@ -89,7 +141,7 @@ def push(folder: Path, repo_id: str, token: str, *, private: bool = False) -> st
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from twinkle_backend_hf.commands.checkpoint_loading import resolve_checkpoint
+    from twinkle_backend_hf.commands.checkpoint_loading import resolve_checkpoint, verify_checkpoint_files
 
     if not args.output and not args.push_to_hub:
         raise ConfigError("twinkle export needs --output DIR (where to write the model) or --push-to-hub REPO_ID")
@@ -108,15 +160,11 @@ def export_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
     tmp = None
     if args.output:
-        output = Path(args.output).expanduser()
-        if output.resolve() == ckpt.path.resolve():
-            raise ConfigError(f"--output {args.output} is the checkpoint itself; choose another directory")
-        if output.exists() and (not output.is_dir() or any(output.iterdir())) and not args.overwrite:
-            raise ConfigError(f"--output {args.output} exists and is not empty; choose a new directory or add "
-                              f"--overwrite")
+        output = checked_output(args, ckpt)
     else:
         tmp = tempfile.TemporaryDirectory(prefix="twinkle-export-")
-        output = Path(tmp.name)
+        output = Path(tmp.name) / "export"
+    verify_checkpoint_files(ckpt)  # a damaged file is refused before any of them is loaded
     try:
         export(ckpt, output, merge_lora=args.merge_lora, max_shard_size=args.max_shard_size, dtype=args.dtype)
         if args.output:

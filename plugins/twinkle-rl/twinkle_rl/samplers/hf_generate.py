@@ -33,6 +33,7 @@ from twinkle_core.sampling import (
     WeightUpdate,
     forward_keywords,
 )
+from twinkle_core.sources import resolve
 from twinkle_rl.samplers.processing import choose_tokens, process_logits
 
 
@@ -126,7 +127,12 @@ class HFGenerateSampler(Sampler):
 
         if self.copy_config is None:
             raise ConfigError("hf_generate received weights before bind(): bind the policy first")
-        copy = transformers.AutoModelForCausalLM.from_config(self.copy_config, dtype=torch.float32)
+        # the policy's switch (a custom-code policy's config builds its copy only when the switch is on); explicit,
+        # so transformers never asks on stdin
+        trust = resolve.trust_remote_code(getattr(self.model, "trust_remote_code", None))
+        with resolve.explain_remote_code_refusal("the sampler's copy of the policy"):
+            copy = transformers.AutoModelForCausalLM.from_config(self.copy_config, dtype=torch.float32,
+                                                                 trust_remote_code=trust)
         return copy.to(getattr(self.model, "device", "cpu")).eval()
 
     @staticmethod
