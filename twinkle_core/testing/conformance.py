@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.testing.conformance_data import (
     CONFORMANCE_MAX_DEPTH,
     CONFORMANCE_MAX_WIDTH,
@@ -176,7 +177,7 @@ class ModelContract(GenerationContract):
         class TokenSum(Loss):
             def __call__(self, outputs, inputs):
                 logits = outputs["logits"].float()
-                mask = inputs["labels"] != -100
+                mask = inputs["labels"] != IGNORE_INDEX
                 return LossOutput(loss=(logits.mean(-1) * mask).sum(), num_tokens=int(mask.sum()))
 
         values = []

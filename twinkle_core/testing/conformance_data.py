@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from twinkle_core.constants import IGNORE_INDEX
+
 CONFORMANCE_VOCAB_SIZE = 64
 LORA_CONFIG: dict[str, Any] = {"type": "lora", "r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 CONFORMANCE_MAX_WIDTH = 128
@@ -22,7 +24,7 @@ def make_batch(seed: int, rows: int = 8, length: int = 12, vocab: int = CONFORMA
     labels = input_ids.clone()
     prompt = torch.randint(1, length - 2, (rows,), generator=g)
     for i in range(rows):
-        labels[i, : int(prompt[i])] = -100
+        labels[i, : int(prompt[i])] = IGNORE_INDEX
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
 
 

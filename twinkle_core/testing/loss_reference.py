@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
-IGNORE = -100
+from twinkle_core.constants import IGNORE_INDEX
+
+IGNORE = IGNORE_INDEX
 DT = torch.float64
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from twinkle_core import distributed
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError, TwinkleError
 
 logger = logging.getLogger("twinkle.train")
@@ -23,7 +24,6 @@ MAX_NONFINITE_STEPS = 25
 #: a run whose first this-many steps see no label token on any rank is stopped: every label is masked
 LABEL_CHECK_STEPS = 5
 #: the label value the losses ignore (masked prompt tokens, padding)
-IGNORE_INDEX = -100
 
 
 class TrainingDivergedError(TwinkleError, RuntimeError):

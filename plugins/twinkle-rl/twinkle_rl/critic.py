@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
 from twinkle_core.task import Task
 
@@ -91,7 +92,7 @@ def generalized_advantages(rewards: torch.Tensor, values: torch.Tensor, labels: 
 
     ``rewards`` ``[S]``, ``values`` ``[S, T - 1]`` shifted, ``labels`` ``[S, T]``; returns advantages and
     returns in the shifted layout (zero outside the completion)."""
-    mask = (labels[:, 1:] != -100).to(values.dtype)
+    mask = (labels[:, 1:] != IGNORE_INDEX).to(values.dtype)
     token_rewards = torch.zeros_like(values)
     positions = torch.arange(mask.shape[1]).expand_as(mask)
     last = torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(dim=1).values

@@ -22,10 +22,9 @@ from typing import Any
 
 import torch
 
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
 from twinkle_core.sampling import Completion, sample_seed
-
-IGNORE_INDEX = -100
 
 
 def experience_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Completion], *,

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
 from twinkle_rl.advantages import gae, whiten
 from twinkle_rl.critic import Critic, generalized_advantages
@@ -71,7 +72,7 @@ class PPOTask(OnlineRLTask):
         rewards = rollout.rewards.reshape(-1).to(torch.float32)
         advantages, returns = generalized_advantages(rewards, values, batch["labels"], gamma=self.gamma,
                                                      lam=self.lam, gae=gae)
-        mask = batch["labels"][:, 1:] != -100
+        mask = batch["labels"][:, 1:] != IGNORE_INDEX
         if self.whiten_advantages:
             advantages = whiten(advantages, mask, global_sum=self._engine(model).dp.sum)
         batch["advantages"] = torch.where(mask, advantages, torch.zeros_like(advantages)).float()

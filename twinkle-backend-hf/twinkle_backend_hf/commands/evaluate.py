@@ -25,6 +25,7 @@ from typing import Any
 
 from twinkle_backend_hf.commands.checkpoint_loading import add_checkpoint_arguments
 from twinkle_core.commands import Command
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
 
 LM_EVAL_MISSING = ("--tasks runs lm-eval's tasks, and the lm-eval package is not installed: pip install lm-eval")
@@ -125,7 +126,7 @@ def compute_loss(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *, 
         batch = sequences[start:start + batch_size]
         width = max(len(ids) for ids, _ in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
-        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)
         for row, (seq, lab) in enumerate(batch):
             ids[row, :len(seq)] = torch.tensor(seq)
@@ -136,9 +137,9 @@ def compute_loss(model: Any, tokenizer: Any, examples: list[dict[str, Any]], *, 
         shift_logits = logits[:, :-1].float()
         shift_labels = labels[:, 1:].to(device)
         nll = torch.nn.functional.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]),
-                                                shift_labels.reshape(-1), ignore_index=-100, reduction="sum")
+                                                shift_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
         total += float(nll)
-        count += int((shift_labels != -100).sum())
+        count += int((shift_labels != IGNORE_INDEX).sum())
     return total, count
 
 

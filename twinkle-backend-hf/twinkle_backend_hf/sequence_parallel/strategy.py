@@ -40,6 +40,7 @@ from twinkle_backend_hf.strategies.ddp import DDPStrategy
 from twinkle_backend_hf.strategies.model_parts import base_model
 from twinkle_core import distributed
 from twinkle_core.capabilities import check_mesh
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.strategy import Strategy
@@ -80,7 +81,7 @@ class SequenceParallelStrategy(DDPStrategy):
     mesh_dimensions: ClassVar[tuple[str, ...]] = ("dp", "sp")
 
     def __init__(self, mesh: DeviceMesh | None = None, *, inner_attn_implementation: str | None = None,
-                 pad_token_id: int = 0, ignore_index: int = -100, gather_eval_outputs: bool = True,
+                 pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX, gather_eval_outputs: bool = True,
                  shift_keys: tuple[str, ...] | list[str] = ulysses.SHIFT_KEYS, **ddp_options: Any) -> None:
         try:
             super().__init__(mesh, **ddp_options)

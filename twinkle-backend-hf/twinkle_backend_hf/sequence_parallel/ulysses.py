@@ -65,6 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
 
 ATTENTION_PREFIX = "twinkle_ulysses_"
@@ -393,7 +394,7 @@ def _positions_from_mask(mask: torch.Tensor, positions: torch.Tensor) -> torch.T
     return torch.where(real, positions, torch.full_like(positions, PAD_POSITION))
 
 
-def shard_batch(batch: dict[str, Any], sp_size: int, sp_rank: int, *, ignore_index: int = -100,
+def shard_batch(batch: dict[str, Any], sp_size: int, sp_rank: int, *, ignore_index: int = IGNORE_INDEX,
                 pad_token_id: int = 0, model_keys: tuple[str, ...] = MODEL_KEYS,
                 shift_keys: tuple[str, ...] = SHIFT_KEYS) -> tuple[dict[str, Any], ShardInfo]:
     """This SP rank's share of ``batch`` (every rank of the group passes the same batch).
