@@ -45,15 +45,15 @@ def _install(when: str) -> None:
         count, _, stage = rest.partition(":")
         target, seen = int(count), {"manifests": 0, "renames": 0}
         if stage == "before-marker":
-            manifest = checkpoint._manifest
+            manifest = checkpoint.manifest
 
-            def dying_manifest(root):
+            def dying_manifest(root, **kwargs):
                 seen["manifests"] += 1
                 if seen["manifests"] == target:
                     _die()
-                return manifest(root)
+                return manifest(root, **kwargs)
 
-            checkpoint._manifest = dying_manifest
+            checkpoint.manifest = dying_manifest
             return
         if stage == "after-rename":
             fsync = checkpoint._fsync
