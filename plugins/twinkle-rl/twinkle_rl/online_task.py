@@ -38,12 +38,12 @@ from typing import Any, ClassVar
 import torch
 
 from twinkle_core.errors import ConfigError
+from twinkle_core.loss.logprobs import tempered_token_logprobs
 from twinkle_core.model.train_configs import TrainingSetup
 from twinkle_core.sampling import SamplingParams
 from twinkle_core.task import Task
 from twinkle_rl.advantages import ESTIMATORS
 from twinkle_rl.experience import micro_batch_order, select_rows
-from twinkle_rl.losses.tempered import tempered_token_logprobs
 from twinkle_rl.one_step_off import InflightRollout, check_one_step_off
 from twinkle_rl.online_report import evaluate_prompts, summarise
 from twinkle_rl.prompts import PromptFeature, collate_prompts, read_prompts
