@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from twinkle_core import cli
-from twinkle_core.commands.train import torchrun_argv
+from twinkle_core.commands.train import train_job
+from twinkle_core.launch import torchrun_argv
 
 TESTS = Path(__file__).resolve().parent
 FIXTURE_PLUGINS = {
@@ -230,11 +231,14 @@ def _args(*argv: str):
 
 
 def test_torchrun_argv():
-    single_node = torchrun_argv(_args("--nproc-per-node", "4"), ["a.b=1"])
+    args = _args("--nproc-per-node", "4")
+    args.overrides = ["a.b=1"]
+    single_node = torchrun_argv(args, train_job(args))
     assert single_node == ["--nproc-per-node=4", "--nnodes=1", "--standalone", "-m", "twinkle_core.cli", "train",
                            os.path.abspath("r.yaml"), "a.b=1"]
-    multi = torchrun_argv(_args("--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1", "--master-addr",
-                                    "10.0.0.1", "--master-port", "29600", "--resume", "latest"), [])
+    args = _args("--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                 "--master-port", "29600", "--resume", "latest")
+    multi = torchrun_argv(args, train_job(args))
     assert multi == ["--nproc-per-node=8", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1",
                      "--master-port=29600", "-m", "twinkle_core.cli", "train", os.path.abspath("r.yaml"),
                      "--resume", "latest"]

@@ -181,5 +181,5 @@ def test_twinkle_train_streaming_resumes_identically(tmp_path):
     for step in range(1, 7):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
 
-    no_steps = _train(split, "train.max_steps=null")
+    no_steps = _train(split, "train.max_steps=null", "--overwrite")  # (a new run there must say --overwrite)
     assert no_steps.returncode != 0 and "train.max_steps" in no_steps.stderr

@@ -126,7 +126,7 @@ class QueueTask(Task):
         return batch
 
     # the seams
-    def micro_batches_per_data_batch(self, batch_size: int) -> int:
+    def micro_batches_per_data_batch(self, batch_size: int, *, gradient_accumulation_steps: int = 1) -> int:
         return 2
 
     def next_training_batch(self, model: Any, draw: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from twinkle_core.records import (
     MetricRecord,
     OptimizerRecord,
     PrecisionRecord,
+    RuntimeRecord,
     SchedulerRecord,
     SourceRecord,
     StrategyRecord,
@@ -117,3 +118,9 @@ def twinkle_register_commands():
     yield CommandRecord("train", "twinkle_core.commands.train:TrainCommand", "train from a YAML recipe")
     yield CommandRecord("plot", "twinkle_core.commands.plot:PlotCommand",
                         "draw a run's loss curves (logs.jsonl) as a PNG")
+
+
+@hookimpl
+def twinkle_register_runtimes():
+    yield RuntimeRecord("torchrun", "twinkle_core.launch:TorchrunRuntime",
+                        "torch.distributed.run: --nproc-per-node processes on this node, --nnodes nodes")

@@ -23,6 +23,7 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("strategy", "deepspeed"): _HF,
     ("strategy", "megatron"): _MEGATRON,
     ("accelerator", "npu"): _NPU,
+    ("runtime", "ray"): "twinkle-ray",
     ("command", "chat"): _HF,
     ("command", "export"): _HF,
     ("command", "eval"): _HF,

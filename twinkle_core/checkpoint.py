@@ -12,7 +12,13 @@ A training run keeps its checkpoints in its output directory as ``checkpoint-N``
 step N) and ``checkpoint-N-interrupted`` (saved when training stopped early); see
 :func:`checkpoint_name`, :func:`list_checkpoints`, :func:`latest_checkpoint` and :func:`prune_checkpoints`.
 Markers written inside :func:`run_lineage` also record the run's id and save time, so that
-:func:`latest_checkpoint` keeps to the checkpoints of the run that saved last.
+:func:`latest_checkpoint` keeps to the checkpoints of the run that saved last. :func:`previous_run` says what an
+earlier run left in an output directory (its checkpoints, its ``final`` model and its id), which a new run there
+must not silently mix with (``twinkle train --overwrite``).
+
+A checkpoint directory holding Twinkle's training state (``twinkle_state/``) but no marker lost its marker
+(:func:`lost_marker`: deleted, or left out of a copy): its files cannot be verified, so :func:`latest_checkpoint`
+skips it with a warning and resuming from it by path is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 MARKER = CheckpointLayout.MARKER
 STATE_DIR = CheckpointLayout.STATE_DIR
+#: the directory name of a run's trained model, written at its end
+FINAL_NAME = "final"
 _CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)(-interrupted)?$")
 #: the run id written into the markers of this context (:func:`run_lineage`)
 _LINEAGE: ContextVar[str | None] = ContextVar("twinkle_checkpoint_lineage", default=None)
@@ -294,20 +303,34 @@ def list_checkpoints(output_dir: str | os.PathLike[str]) -> list[tuple[int, bool
     return sorted(found, key=lambda item: (item[0], not item[1]))
 
 
-def latest_lineage(output_dir: str | os.PathLike[str]) -> str | None:
-    """The run id of the checkpoint saved last under ``output_dir`` (None when no marker records one)."""
+def _newest_run_id(paths: list[Path]) -> str | None:
+    """The run id of whichever of ``paths`` was saved last (None when no marker records one)."""
     saved = []
-    for _, _, path in list_checkpoints(output_dir):
+    for path in paths:
         marker = read_marker(path)
         if marker.get("run_id") and isinstance(marker.get("saved_at"), (int, float)):
             saved.append((marker["saved_at"], marker["run_id"]))
     return max(saved)[1] if saved else None
 
 
+def latest_lineage(output_dir: str | os.PathLike[str]) -> str | None:
+    """The run id of the checkpoint saved last under ``output_dir`` (None when no marker records one)."""
+    return _newest_run_id([path for _, _, path in list_checkpoints(output_dir)])
+
+
+def lost_marker(path: str | os.PathLike[str]) -> bool:
+    """Whether the directory at ``path`` holds Twinkle's training state (``twinkle_state/``) but no marker: a
+    checkpoint written by :func:`atomic_directory` (which writes the marker last) whose marker was then deleted or
+    left out of a copy. Its files cannot be verified. A directory with neither is another implementation's format
+    (or an exported model) and is not judged here."""
+    return os.path.isdir(os.path.join(path, STATE_DIR)) and not is_complete(os.fspath(path))
+
+
 def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
     """The newest checkpoint under ``output_dir`` that passes :func:`verify_checkpoint`; broken ones are skipped
-    with a warning. Directories without a marker were not written by :func:`atomic_directory` (another model
-    implementation's format) and cannot be checked here, so they count as they are.
+    with a warning, and so are those that lost their marker (:func:`lost_marker`). Other directories without a
+    marker were not written by :func:`atomic_directory` (another model implementation's format) and cannot be
+    checked here, so they count as they are.
 
     When the markers record run ids (:func:`run_lineage`), only the checkpoints of the run that saved last are
     candidates: a later step of an older run in the same directory is another run's state, skipped with a warning
@@ -319,6 +342,10 @@ def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
             logger.warning("skipping checkpoint %s: it belongs to run %s, not to run %s that saved last here; "
                            "to continue that run, resume it by path (--resume %s)", path, run_id, lineage, path)
             continue
+        if lost_marker(path):
+            logger.warning("skipping checkpoint %s: its marker %s is missing (deleted, or left out of a copy), so "
+                           "its files cannot be verified", path, MARKER)
+            continue
         if not is_complete(str(path)):
             return path
         try:
@@ -328,6 +355,71 @@ def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
             continue
         return path
     return None
+
+
+def marker_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why the checkpoint at ``path`` cannot be resumed from for want of its marker (None: it has one). A checkpoint
+    that lost it (:func:`lost_marker`) and a directory that never had one are told apart, each with its fix."""
+    path = os.fspath(path)
+    if is_complete(path):
+        return None
+    if not os.path.isdir(path):
+        return f"checkpoint {path} does not exist"
+    if lost_marker(path):
+        return (f"{path} has lost its marker {MARKER} (deleted, or left out when the directory was copied), so its "
+                f"files cannot be verified and it is not resumed from. Resume from another checkpoint (twinkle train "
+                f"--resume latest skips this one), or put the marker back from the original copy")
+    return (f"{path} is not a Twinkle training checkpoint: it has no {MARKER} (a save that did not finish, or a "
+            f"directory of another kind; an exported model's weights load with load())")
+
+
+def check_marker(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`CheckpointError` with :func:`marker_problem`'s reason when the checkpoint at ``path`` has no
+    marker; cheap (nothing is hashed, :func:`verify_checkpoint` does that)."""
+    problem = marker_problem(path)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+@dataclass(frozen=True)
+class PreviousRun:
+    """What an earlier run left in an output directory: its checkpoints (``checkpoint-N`` and
+    ``checkpoint-N-interrupted``, oldest first), its ``final`` model, and the run id their markers record (``None``
+    when none records one: markers of an older Twinkle, or another model implementation's format)."""
+
+    output_dir: Path
+    checkpoints: tuple[Path, ...]
+    final: Path | None
+    run_id: str | None
+
+    @property
+    def paths(self) -> list[Path]:
+        """The checkpoint directories, then ``final``."""
+        return [*self.checkpoints, *([self.final] if self.final is not None else [])]
+
+    @property
+    def label(self) -> str:
+        """``run 1a2b...``, or ``an earlier run`` when no marker records its id."""
+        return f"run {self.run_id}" if self.run_id else "an earlier run"
+
+    def describe(self, most: int = 4) -> str:
+        """``run 1a2b... (checkpoint-2, checkpoint-4, final)``, naming at most ``most`` directories."""
+        names = [path.name for path in self.paths]
+        shown = ", ".join(names if len(names) <= most else [*names[:most - 1], "...", names[-1]])
+        count = f"; {len(names)} in all" if len(names) > most else ""
+        return f"{self.label} ({shown}{count})"
+
+
+def previous_run(output_dir: str | os.PathLike[str]) -> PreviousRun | None:
+    """The checkpoints and ``final`` model an earlier run left under ``output_dir``, complete or not; None when
+    there are none. Read-only and quick: it lists directories and reads markers, hashing nothing."""
+    root = Path(output_dir)
+    checkpoints = tuple(path for _, _, path in list_checkpoints(root) if path.is_dir())
+    final = root / FINAL_NAME if (root / FINAL_NAME).is_dir() else None
+    if not checkpoints and final is None:
+        return None
+    run_id = _newest_run_id([*checkpoints, *([final] if final is not None else [])])
+    return PreviousRun(output_dir=root, checkpoints=checkpoints, final=final, run_id=run_id)
 
 
 def prune_checkpoints(output_dir: str | os.PathLike[str], limit: int | None) -> list[Path]:

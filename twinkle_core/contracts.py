@@ -112,6 +112,8 @@ SEAMS: tuple[Seam, ...] = (
          "`model_kind` must be one", '`supported_model_kinds = ("causal_lm", "token_value")`'),
     Seam("build", "TwinkleModel", "check_adapter_config", _RECIPE, "before launch: a wrong adapter key fails "
          "once", "`LoraConfig(**config)`"),
+    Seam("build", "TwinkleModel", "check_model_directory", _RECIPE, "before anything is built, for a local "
+         "`model.model_id` with its own `config.json`", "`read_model_config(path)`"),
     Seam("build", "Loss", "requires", _RECIPE, "before anything is built: a task must `provide` each",
          '`requires = frozenset({"preference_pairs"})`'),
     # ------------------------------------------------------------------ step

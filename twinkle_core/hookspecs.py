@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         OptimizerRecord,
         PrecisionRecord,
         RewardRecord,
+        RuntimeRecord,
         SamplerRecord,
         SchedulerRecord,
         SourceRecord,
@@ -275,6 +276,23 @@ def twinkle_register_commands() -> Iterable[CommandRecord]:
         @hookimpl
         def twinkle_register_commands():
             yield CommandRecord("serve", "my_pkg.serve:ServeCommand", "serve a checkpoint over HTTP")
+    """
+
+
+@hookspec
+def twinkle_register_runtimes() -> Iterable[RuntimeRecord]:
+    """Register runtimes that run a training job's ranks (``twinkle train --runtime NAME``). The core registers
+    ``torchrun``; ``twinkle-ray`` registers ``ray``.
+
+    Called when ``twinkle train`` builds its parser (each runtime adds its own options) and when it launches;
+    ``impl`` names a :class:`twinkle_core.launch.Runtime` subclass whose module imports nothing heavy at import
+    time.
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_runtimes():
+            yield RuntimeRecord("slurm", "my_pkg.slurm:SlurmRuntime", "one rank per Slurm task")
     """
 
 

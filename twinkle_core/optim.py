@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from typing import TYPE_CHECKING, Any
 
 from twinkle_core.errors import ConfigError
@@ -46,9 +47,30 @@ def build_optimizer(spec: Any, parameters: list[torch.nn.Parameter], *, implemen
     if inspect.isclass(spec) and issubclass(spec, torch.optim.Optimizer):
         if not parameters:
             raise ConfigError("the optimizer has no trainable parameters: add an adapter or unfreeze the model")
+        check_hyperparameters(spec.__name__, kwargs)
         return spec(parameters, **kwargs, **implementation_options(spec, parameters, implementation, kwargs))
     raise ConfigError(f"cannot build an optimizer from {spec!r}; pass a registered name, an Optimizer class "
                       f"or an Optimizer instance")
+
+
+#: the options :func:`check_hyperparameters` checks, and what each must be
+_HYPERPARAMETERS = {"lr": "a finite number >= 0 (the learning rate, e.g. 1e-4)",
+                    "weight_decay": "a finite number >= 0 (e.g. 0.01, or 0 for none)"}
+
+
+def check_hyperparameters(optimizer_name: str, options: dict[str, Any]) -> None:
+    """Refuse an ``lr`` or ``weight_decay`` that is negative, NaN, infinite or not a number, as ``set_optimizer``
+    gets them (the recipe's ``optimizer.lr`` / ``optimizer.weight_decay`` are checked earlier, by the recipe
+    checker): one ConfigError naming the option, instead of the optimizer's ValueError or a silently NaN run."""
+    import torch
+
+    for key, wanted in _HYPERPARAMETERS.items():
+        if key not in options:
+            continue
+        value = options[key]
+        number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+        if isinstance(number, bool) or not isinstance(number, numbers.Real) or not math.isfinite(number) or number < 0:
+            raise ConfigError(f"set_optimizer({optimizer_name!r}): {key}={value!r} is refused; {key} must be {wanted}")
 
 
 def check_implementation(optimizer_cls: type, implementation: str, options: dict[str, Any]) -> set[str]:

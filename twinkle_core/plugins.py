@@ -204,14 +204,7 @@ class TwinklePlugins:
                 if not self.pm.is_registered(impl.plugin):  # failed in a re-entrant call meanwhile
                     continue
                 info = self._plugin_info.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "unknown", "", "")
-                try:
-                    produced = list(impl.function() or ())
-                except PLUGIN_FAULTS as exc:
-                    self._fail(PluginFailure(info.name, info.distribution, f"{hook_name} raised {_reason(exc)}"),
-                               impl.plugin)
-                    continue
-                for record in produced:
-                    self._check_record(kind, record, info)
+                for record in self._registered_by(kind, impl, info):
                     previous = found.get(record.name)
                     if previous is not None:
                         raise DuplicatePluginError(
@@ -224,12 +217,22 @@ class TwinklePlugins:
             self._records[kind] = found
             return found
 
-    @staticmethod
-    def _check_record(kind: str, record: Any, info: PluginInfo) -> None:
-        expected = KINDS[kind]
-        if not isinstance(record, expected):
-            raise TypeError(f"plugin {info.name!r} ({info.distribution}) yielded {record!r} from "
-                            f"{expected.register_hook}; expected {expected.__name__} records")
+    def _registered_by(self, kind: str, impl: Any, info: PluginInfo) -> list[PluginRecord]:
+        """The records one plugin's ``twinkle_register_<kind>`` hook yields; none when the hook raises or yields
+        anything but records of ``kind`` (the plugin is then reported by name, unregistered and skipped)."""
+        hook_name = KINDS[kind].register_hook
+        try:
+            result = impl.function()
+            wrong = result_problem(kind, result)
+            produced = [] if wrong or result is None else list(result)
+        except PLUGIN_FAULTS as exc:
+            self._fail(PluginFailure(info.name, info.distribution, f"{hook_name} raised {_reason(exc)}"), impl.plugin)
+            return []
+        wrong = wrong or next(filter(None, (record_problem(kind, record) for record in produced)), None)
+        if wrong:
+            self._fail(PluginFailure(info.name, info.distribution, wrong), impl.plugin)
+            return []
+        return produced
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.records(kind))
@@ -299,6 +302,45 @@ class TwinklePlugins:
             who = f"plugin {info.name!r} ({info.distribution})" if info else f"plugin {culprit or '(unknown)'!r}"
             raise PluginHookError(f"{who} raised in {hook_name}: {_reason(exc)}; fix or upgrade it, or disable "
                                   f"it with TWINKLE_DISABLE_PLUGINS") from exc
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message: its (shortened) repr and its type."""
+    text = repr(value)
+    text = text if len(text) <= 80 else f"{text[:77]}..."
+    return f"{text} (a {type(value).__name__})"
+
+
+def _expected(kind: str) -> str:
+    record_type = KINDS[kind]
+    return (f"it must yield {record_type.__name__} records, e.g. yield {record_type.__name__}(\"name\", "
+            f"\"package.module:Object\") (from twinkle_core.records)")
+
+
+def result_problem(kind: str, result: Any) -> str | None:
+    """What is wrong with the value a ``twinkle_register_<kind>`` hook returned (``None``: an iterable of items, or
+    nothing). A record, a string or a mapping returned rather than yielded is wrong: iterating it gives no records."""
+    hook_name = KINDS[kind].register_hook
+    if result is None:
+        return None
+    if isinstance(result, (PluginRecord, str, bytes, dict)) or not hasattr(result, "__iter__"):
+        return f"{hook_name} returned {_shown(result)} instead of yielding records; {_expected(kind)}"
+    return None
+
+
+def record_problem(kind: str, record: Any) -> str | None:
+    """What is wrong with one item a ``twinkle_register_<kind>`` hook yielded (``None``: a well-formed record)."""
+    hook_name = KINDS[kind].register_hook
+    if not isinstance(record, KINDS[kind]):
+        other = next((t for t in KINDS.values() if type(record) is t), None)
+        where = f"; a {other.__name__} belongs in {other.register_hook}" if other is not None else ""
+        return f"{hook_name} yielded {_shown(record)}{where}; {_expected(kind)}"
+    if not isinstance(record.name, str) or not record.name:
+        return f"{hook_name} yielded {type(record).__name__} with name {record.name!r}; the name must be a non-empty string"
+    if not isinstance(record.impl, str) or ":" not in record.impl:
+        return (f"{hook_name} yielded {type(record).__name__} {record.name!r} with impl {record.impl!r}; impl must be "
+                f"a string \"package.module:Object\"")
+    return None
 
 
 def _reason(exc: BaseException) -> str:

@@ -178,6 +178,16 @@ class CommandRecord(PluginRecord):
     register_hook: ClassVar[str] = "twinkle_register_commands"
 
 
+@dataclass(frozen=True)
+class RuntimeRecord(PluginRecord):
+    """A runtime that runs a training job's ranks: ``twinkle train --runtime NAME``. ``impl`` is a
+    :class:`twinkle_core.launch.Runtime` subclass (built with no arguments) whose module imports its heavy
+    dependencies (e.g. Ray) only when it launches. The core registers ``torchrun``."""
+
+    kind: ClassVar[str] = "runtime"
+    register_hook: ClassVar[str] = "twinkle_register_runtimes"
+
+
 # every plugin kind, in the order ``twinkle plugins`` lists them
 RECORD_TYPES: tuple[type[PluginRecord], ...] = (
     ModelRecord,
@@ -196,5 +206,6 @@ RECORD_TYPES: tuple[type[PluginRecord], ...] = (
     KernelRecord,
     ConformanceTarget,
     CommandRecord,
+    RuntimeRecord,
 )
 KINDS: dict[str, type[PluginRecord]] = {r.kind: r for r in RECORD_TYPES}

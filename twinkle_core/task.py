@@ -150,9 +150,10 @@ class Task(ABC):
     def load_training_state(self, model: TwinkleModel, directory: str) -> None:
         """Restore :meth:`save_training_state` from a checkpoint being resumed (every rank)."""
 
-    def micro_batches_per_data_batch(self, batch_size: int) -> int:
+    def micro_batches_per_data_batch(self, batch_size: int, *, gradient_accumulation_steps: int = 1) -> int:
         """How many micro-batches :meth:`next_training_batch` makes of one data batch of ``batch_size`` rows
-        (for the step count of a recipe without ``train.max_steps``). Default 1."""
+        (for the step count of a recipe without ``train.max_steps``), when an optimizer step takes
+        ``gradient_accumulation_steps`` micro-batches. Default 1."""
         return 1
 
     def loss_options(self, loss_name: str) -> dict[str, Any]:

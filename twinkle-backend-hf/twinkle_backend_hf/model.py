@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from twinkle_backend_hf import adapters
+from twinkle_backend_hf import adapters, model_dir
 from twinkle_core.errors import ConfigError
 from twinkle_core.model.torch_model import TorchTwinkleModel
 from twinkle_core.sources import resolve
@@ -69,8 +69,19 @@ class TransformersModel(TorchTwinkleModel):
     def load_tokenizer(cls, path: str, *, trust_remote_code: bool = False) -> Any:
         from transformers import AutoTokenizer
 
-        with resolve.explain_remote_code_refusal(f"the tokenizer at {path}"):
+        # outermost, so that the refusal to run a repository's code keeps its own message
+        with model_dir.explain_unloadable_tokenizer(path), \
+                resolve.explain_remote_code_refusal(f"the tokenizer at {path}"):
             return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+    @classmethod
+    def check_model_directory(cls, path: str, *, model_kwargs: dict[str, Any] | None = None, **options: Any) -> None:
+        """Refuse, naming the directory or its ``config.json`` and the fix, a local model directory transformers
+        cannot load a model from (empty, only weights, a damaged config.json, an unknown ``model_type``): the
+        recipe checker calls it before anything is built (with the recipe's ``model.options``), ``build_network``
+        before loading. Reads JSON only; a model read from a GGUF file or a subfolder is left to transformers."""
+        if not (isinstance(model_kwargs, dict) and {"gguf_file", "subfolder"} & set(model_kwargs)):
+            model_dir.check_model_directory(path)
 
     # ------------------------------------------------------------------ building
     def _auto_class(self) -> Any:
@@ -116,6 +127,8 @@ class TransformersModel(TorchTwinkleModel):
             from twinkle_core.sources.resolve import resolve_model
 
             self.model_path = resolve_model(self.model_id, revision=self.revision)
+            if self.config_spec is None:  # the directory's own config.json says what to build
+                self.check_model_directory(self.model_path, model_kwargs=self.model_kwargs)
             extra = {"config": self._hf_config()} if self.config_spec is not None else {}
             if value_head and not extra:
                 extra = {"num_labels": 1}

@@ -185,6 +185,7 @@ class MegatronModel(TorchTwinkleModel):
                          **kwargs: Any) -> dict[str, Any]:
         if self.pp_size == 1:
             return super().forward_backward(inputs=inputs, adapter_name=adapter_name, **kwargs)
+        self.check_inputs(inputs, call="forward_backward")
         return self._pipeline().run(self.step_context(adapter_name), inputs, forward_only=False)
 
     def forward_only(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
@@ -192,6 +193,7 @@ class MegatronModel(TorchTwinkleModel):
         if self.pp_size == 1:
             return super().forward_only(inputs=inputs, adapter_name=adapter_name, disable_adapters=disable_adapters,
                                         **kwargs)
+        self.check_inputs(inputs, call="forward_only")
         step = self.step_context(adapter_name, disable_adapters=disable_adapters)
         return self._pipeline().run(step, inputs, forward_only=True)
 

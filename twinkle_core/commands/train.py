@@ -1,9 +1,16 @@
-"""``twinkle train RECIPE.yaml [key.path=value ...]``: validate a recipe, then train (in this process or torchrun).
+"""``twinkle train RECIPE.yaml [key.path=value ...]``: validate a recipe, then train (in this process or launched).
 
 The recipe is validated (keys, types, plugin names, local files, options and adapter keys) before anything
-starts; ``--dry-run`` stops there. With ``--nproc-per-node`` > 1 or ``--nnodes`` > 1 it launches
-``torch.distributed.run`` (torchrun), whose workers run ``python -m twinkle_core.cli train RECIPE ...`` without
-the launcher flags; otherwise it trains in this process. Heavy modules are imported inside :meth:`run` only.
+starts; ``--dry-run`` stops there. A runtime (:mod:`twinkle_core.launch`, ``--runtime``) decides whether the job
+is launched: ``torchrun`` (the default) launches ``torch.distributed.run`` with ``--nproc-per-node`` > 1 or
+``--nnodes`` > 1, ``ray`` (twinkle-ray) starts ``--num-workers`` Ray actors; each rank runs
+:func:`train_this_process` (torchrun's workers through ``python -m twinkle_core.cli train RECIPE ...`` without the
+launcher flags). Otherwise it trains in this process. Heavy modules are imported inside :meth:`run` only.
+
+A new run into a ``train.output_dir`` that holds another run's checkpoints or ``final`` model is refused right
+after the recipe is read (before the backend is imported or torchrun launched): ``--resume latest`` continues that
+run, ``--overwrite`` discards it (:func:`twinkle_core.train.checkpointing.check_start`; the trainer checks again
+once it holds the directory's lock).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from typing import Any
 
 from twinkle_core.commands import Command
 from twinkle_core.errors import ConfigError
+from twinkle_core.launch import DEFAULT_RUNTIME, TrainJob, select_runtime
 
 
 class TrainCommand(Command):
@@ -29,19 +37,26 @@ class TrainCommand(Command):
         parser.add_argument("--resume-weights-only", metavar="PATH|latest", default=None,
                             help="start a new run (step 0, fresh optimizer, schedule and data order) from a "
                                  "checkpoint's weights (and adapter); works at any world size, batch size or strategy")
+        parser.add_argument("--overwrite", action="store_true",
+                            help="start a new run even though train.output_dir holds another run's checkpoints: "
+                                 "its checkpoints, final model and logs are removed (caches stay); without it such a "
+                                 "start is refused (continue that run with --resume latest instead)")
         parser.add_argument("--dry-run", action="store_true",
                             help="validate the recipe (keys, plugin names, local files, component options, adapter "
                                  "keys, model / strategy / mesh), print it resolved, and exit without training")
-        launch = parser.add_argument_group("multi-process launch (torchrun)")
-        launch.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N",
-                            help="processes per node (default 1: train in this process)")
-        launch.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes (default 1)")
-        launch.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="R",
-                            help="rank of this node (default 0)")
-        launch.add_argument("--master-addr", "--master_addr", default=None, metavar="ADDR",
-                            help="address of the rank-0 node (default 127.0.0.1)")
-        launch.add_argument("--master-port", "--master_port", type=int, default=None, metavar="PORT",
-                            help="port of the rank-0 node (default: a free port on one node, 29500 on several)")
+        parser.add_argument("--runtime", default=DEFAULT_RUNTIME, metavar="NAME",
+                            help=f"what starts the job's ranks (default {DEFAULT_RUNTIME}; installed: "
+                                 f"{', '.join(sorted(self.runtimes)) or 'none'}). Each runtime's options follow")
+        for name, runtime in sorted(self.runtimes.items(), key=lambda item: (item[0] != DEFAULT_RUNTIME, item[0])):
+            runtime.add_arguments(parser.add_argument_group(runtime.title or f"runtime {name}"))
+
+    @property
+    def runtimes(self) -> dict[str, Any]:
+        if not hasattr(self, "_runtimes"):
+            from twinkle_core.launch import load_runtimes
+
+            self._runtimes, self._broken_runtimes = load_runtimes()
+        return self._runtimes
 
     def take_unparsed(self, args: argparse.Namespace, unparsed: list[str]) -> list[str]:
         # overrides may also come after options: RECIPE --resume latest a.b=1
@@ -57,25 +72,51 @@ class TrainCommand(Command):
 
         # where the time before the first optimizer step goes: the run's summary has it ("startup")
         timer = start_startup_timer()
+        runtime = select_runtime(args.runtime, self.runtimes, self._broken_runtimes)
+        args.world_size = runtime.world_size(args)
         recipe, strategy = validated_recipe(args, timer)
-        launching = is_launcher(args)
         if args.dry_run:
             print_dry_run(recipe, strategy, args)
             return 0
         configure_logging()
-        if launching:
-            return launch(args)
-        from twinkle_core.train.loop import train
-
-        summary = train(recipe, resume_weights_only=args.resume_weights_only)
-        if int(os.environ.get("RANK", "0")) == 0:
+        if args.world_size is not None:
+            return runtime.launch(train_job(args), args)
+        summary = train_in_process(recipe, args)
+        if summary is not None:
             print_summary(summary)
         return 0
 
 
-def is_launcher(args: argparse.Namespace) -> bool:
-    """Whether this process launches torchrun (more than one process) rather than training itself."""
-    return args.nproc_per_node > 1 or args.nnodes > 1
+def train_in_process(recipe: Any, args: argparse.Namespace) -> dict[str, Any] | None:
+    """Train this process's rank of the job; the run's summary on rank 0 (``None`` on the others)."""
+    from twinkle_core.train.loop import train
+
+    summary = train(recipe, resume_weights_only=args.resume_weights_only, overwrite=args.overwrite)
+    return summary if int(os.environ.get("RANK", "0")) == 0 else None
+
+
+def train_this_process(argv: list[str]) -> dict[str, Any] | None:
+    """Run one rank of a job a runtime launched: ``argv`` is :meth:`TrainJob.worker_argv` (``train RECIPE ...``),
+    ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` ... are in the environment. The recipe is validated here again, as
+    each torchrun worker does; returns the run's summary on rank 0 (``None`` on the others)."""
+    from twinkle_core.train.logging import start_startup_timer
+
+    parser = argparse.ArgumentParser(prog="twinkle train")
+    command = TrainCommand()
+    command.add_arguments(parser)
+    if not argv or argv[0] != "train":
+        raise ConfigError(f"a launched rank runs `train RECIPE ...`, got {argv[:1]}")
+    args = parser.parse_args(argv[1:])
+    args.world_size = None  # this process trains; the runtime that started it already launched the job
+    recipe, _ = validated_recipe(args, start_startup_timer())
+    configure_logging()
+    return train_in_process(recipe, args)
+
+
+def train_job(args: argparse.Namespace) -> TrainJob:
+    """The job every rank of a launched run executes, from the launching command line."""
+    return TrainJob(recipe=args.recipe, overrides=tuple(args.overrides), resume=args.resume,
+                    resume_weights_only=args.resume_weights_only, overwrite=bool(getattr(args, "overwrite", False)))
 
 
 def validated_recipe(args: argparse.Namespace, timer: Any) -> tuple[Any, str]:
@@ -88,19 +129,16 @@ def validated_recipe(args: argparse.Namespace, timer: Any) -> tuple[Any, str]:
             validate_plugin_names,
         )
 
-        if args.nproc_per_node < 1 or args.nnodes < 1:
-            raise ConfigError("--nproc-per-node and --nnodes must be at least 1")
-        if not 0 <= args.node_rank < args.nnodes:
-            raise ConfigError(f"--node-rank {args.node_rank} must be in 0..{args.nnodes - 1}")
         recipe = load_recipe(args.recipe, args.overrides)
         if args.resume:
             recipe.train.resume = args.resume
         if args.resume_weights_only and recipe.train.resume:
             raise ConfigError("--resume-weights-only starts a new run from a checkpoint's weights; it cannot be "
                               "combined with --resume / train.resume, which continue a run exactly")
+        check_output_dir(recipe, args)
     with timer.phase("plugins"):  # discovery: reads the registry, imports no component
         validate_plugin_names(recipe)
-    world_size = args.nproc_per_node * args.nnodes if is_launcher(args) else None
+    world_size = args.world_size
     with timer.phase("recipe"):
         check_paths(recipe)
         if recipe.mesh and world_size is not None:
@@ -115,28 +153,33 @@ def validated_recipe(args: argparse.Namespace, timer: Any) -> tuple[Any, str]:
     return recipe, strategy
 
 
+def check_output_dir(recipe: Any, args: argparse.Namespace) -> None:
+    """Refuse, before the backend is imported or torchrun launched, a start that would mix two runs in
+    ``train.output_dir`` (:func:`~twinkle_core.train.checkpointing.check_start`). While another run holds the
+    directory's lock the trainer reports that instead (a run in progress is the more useful news)."""
+    import socket
+    from pathlib import Path
+
+    from twinkle_core.train.checkpointing import check_start
+    from twinkle_core.train.run_lock import LOCK_FILE, pid_alive, read_holder
+
+    output_dir = Path(recipe.train.output_dir)
+    holder = read_holder(output_dir / LOCK_FILE)
+    if isinstance(holder.get("pid"), int) and (holder.get("host") != socket.gethostname() or pid_alive(holder["pid"])):
+        return
+    check_start(output_dir, resume=recipe.train.resume, weights_only=args.resume_weights_only,
+                overwrite=getattr(args, "overwrite", False))
+
+
 def print_dry_run(recipe: Any, strategy: str, args: argparse.Namespace) -> None:
     import yaml
 
     from twinkle_core.train.recipe import recipe_to_dict
 
     print(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False).rstrip())
-    where = f"{args.nproc_per_node * args.nnodes} processes" if is_launcher(args) else "this process"
+    where = f"{args.world_size} processes ({args.runtime})" if args.world_size is not None else "this process"
     chosen = "" if recipe.strategy.name else " (the default for this job)"
     print(f"# recipe OK; would train in {where} with strategy {strategy!r}{chosen}", file=sys.stderr)
-
-
-def launch(args: argparse.Namespace) -> int:
-    """Run the job under torchrun; 1 when a rank failed (torchrun already printed its error)."""
-    from torch.distributed import run as torchrun
-
-    try:
-        torchrun.main(torchrun_argv(args, args.overrides))
-    except Exception as exc:  # ChildFailedError: torchrun already printed the failing rank's error
-        print(f"twinkle: error: distributed training failed: {type(exc).__name__}: "
-              f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -149,22 +192,6 @@ def print_summary(summary: dict[str, Any]) -> None:
         parts.append(f"eval_loss {evals['eval_loss']:.4g}")
     print("twinkle: " + "; ".join(parts))
     print(f"twinkle: final model: {summary['final_checkpoint']}")
-
-
-def torchrun_argv(args: argparse.Namespace, overrides: list[str]) -> list[str]:
-    """Arguments for ``torch.distributed.run.main``: launcher flags, then the worker command."""
-    argv = [f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}"]
-    if args.nnodes == 1 and args.master_addr is None and args.master_port is None:
-        argv.append("--standalone")
-    else:
-        argv += [f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr or '127.0.0.1'}",
-                 f"--master-port={args.master_port or 29500}"]
-    argv += ["-m", "twinkle_core.cli", "train", os.path.abspath(args.recipe), *overrides]
-    if args.resume:
-        argv += ["--resume", args.resume]
-    if getattr(args, "resume_weights_only", None):
-        argv += ["--resume-weights-only", args.resume_weights_only]
-    return argv
 
 
 def configure_logging() -> None:

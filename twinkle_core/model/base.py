@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from twinkle_core.errors import ConfigError
@@ -37,6 +38,9 @@ class TwinkleModel(ABC):
     #: (:func:`twinkle_core.capabilities.check_model_kind`)
     supported_model_kinds: ClassVar[tuple[str, ...] | None] = None
 
+    #: the batch keys that carry the tokens the network reads: a batch must hold at least one (:meth:`check_inputs`)
+    token_input_keys: ClassVar[tuple[str, ...]] = ("input_ids", "inputs_embeds")
+
     @classmethod
     def load_tokenizer(cls, path: str, *, trust_remote_code: bool = False) -> Any:
         """The tokenizer stored at ``path`` (a local directory), loaded the way this backend reads them.
@@ -46,6 +50,13 @@ class TwinkleModel(ABC):
         """
         raise ConfigError(f"{cls.__name__} cannot load a tokenizer (from {path}): load it yourself and pass "
                           f"tokenizer=, or use a model class whose backend can (such as TransformersModel)")
+
+    @classmethod
+    def check_model_directory(cls, path: str, **options: Any) -> None:
+        """Refuse, naming the file and the fix, a local model directory this class could not build a model from
+        (a damaged ``config.json``, an unknown architecture), reading files only; ``options`` are the recipe's
+        ``model.options``. ``twinkle train`` and ``--dry-run`` call it before anything is built, when the model is
+        built from the directory's own ``config.json``. Default: accept (the build reports what it finds)."""
 
     @classmethod
     def check_adapter_config(cls, config: Any) -> None:
@@ -72,6 +83,22 @@ class TwinkleModel(ABC):
         raise ConfigError(f"{type(self).__name__} exposes no network (TwinkleModel.network)")
 
     # ------------------------------------------------------------------ compute
+    def check_inputs(self, inputs: Any, *, call: str = "forward") -> None:
+        """Refuse a batch the network cannot run on before it gets there: ``inputs`` must be a mapping holding one
+        of :attr:`token_input_keys`. The error (a ``ConfigError``) names the keys a batch needs and the ones it has.
+        ``TorchTwinkleModel`` calls it at the start of ``forward``, ``forward_backward`` and ``forward_only``;
+        ``call`` names the method in the message."""
+        where = f"{type(self).__name__}.{call}(inputs=...)"
+        needs = (f"a batch needs {self.token_input_keys[0]!r} (the token ids, shape [batch, length]), usually with "
+                 f"'attention_mask', and 'labels' where a loss is computed; the task's collate makes one "
+                 f"(task.collate(features), or a data loader over the task's data set)")
+        if not isinstance(inputs, Mapping):
+            raise ConfigError(f"{where}: inputs must be a dict of tensors, got {type(inputs).__name__}; {needs}")
+        if not any(key in inputs for key in self.token_input_keys):
+            wanted = " or ".join(repr(key) for key in self.token_input_keys)
+            given = ", ".join(repr(str(key)) for key in inputs) or "no keys at all"
+            raise ConfigError(f"{where}: the batch has no {wanted}; it has {given}. {needs[0].upper()}{needs[1:]}")
+
     @abstractmethod
     def forward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
         """Training-mode forward that keeps the graph for a later ``calculate_loss`` / ``backward``."""

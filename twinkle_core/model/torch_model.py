@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from twinkle_core import checkpoint
 from twinkle_core.errors import ConfigError
 from twinkle_core.kernels import KernelSwitch, apply_kernels
 from twinkle_core.loss.base import LossOutput
@@ -272,6 +273,7 @@ class TorchTwinkleModel(TwinkleModel):
 
     @trains
     def forward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
+        self.check_inputs(inputs, call="forward")
         return self._forward(inputs, adapter_name, fuse_lm_head=False)
 
     def _forward(self, inputs: dict[str, Any], adapter_name: str | None, *, fuse_lm_head: bool) -> dict[str, Any]:
@@ -306,6 +308,7 @@ class TorchTwinkleModel(TwinkleModel):
 
     def forward_only(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
                      disable_adapters: bool = False, **kwargs: Any) -> dict[str, Any]:
+        self.check_inputs(inputs, call="forward_only")
         self.train_state(adapter_name)
         inputs = self._to_device(self.strategy.prepare_inputs(dict(inputs)))
         module = self.wrapped
@@ -351,6 +354,7 @@ class TorchTwinkleModel(TwinkleModel):
     @trains
     def forward_backward(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
                          **kwargs: Any) -> dict[str, Any]:
+        self.check_inputs(inputs, call="forward_backward")
         outputs = self._forward(inputs, adapter_name, fuse_lm_head=True)
         loss = self.calculate_loss(adapter_name=adapter_name)
         self.backward(loss=loss, adapter_name=adapter_name)
@@ -474,6 +478,8 @@ class TorchTwinkleModel(TwinkleModel):
 
     @trains
     def resume_from_checkpoint(self, path: str, *, adapter_name: str | None = None) -> dict[str, Any]:
+        # a missing directory or marker is one CheckpointError saying which and what to do, before anything loads
+        checkpoint.check_marker(path)
         return checkpoint_io.resume(self, self.train_state(adapter_name), path)
 
 

@@ -208,8 +208,11 @@ def build_model(recipe: Recipe, model_cls: Any, task: Task, tokenizer: Any, *, m
         model.add_adapter_to_model(ADAPTER_NAME, dict(r.model.adapter))
     loss_name = r.loss.name or default_loss_name(task)
     model.set_loss(loss_name, adapter_name=adapter_name, **{**task.loss_options(loss_name), **r.loss.options})
+    # the model counts the micro-batches of a step itself (clip_grad_and_step steps on the last), so a task that
+    # reads TrainingSetup.of(model) sees the run's accumulation, e.g. to split one rollout into that many pieces
     model.set_optimizer(r.optimizer.name, adapter_name=adapter_name, lr=r.optimizer.lr,
-                        weight_decay=r.optimizer.weight_decay, **r.optimizer.options)
+                        weight_decay=r.optimizer.weight_decay,
+                        gradient_accumulation_steps=r.train.gradient_accumulation_steps, **r.optimizer.options)
     return model
 
 
@@ -256,7 +259,7 @@ def count_steps(recipe: Recipe, task: Task, loader: Any, view: DataParallelView)
     per_epoch: int | str = "unknown (streaming)" if streaming else micro_batches
     if r.train.max_steps is not None:
         return r.train.max_steps, per_epoch
-    total = (r.train.num_epochs * micro_batches * task.micro_batches_per_data_batch(r.data.batch_size)) // ga
+    total = (r.train.num_epochs * micro_batches * task.micro_batches_per_data_batch(r.data.batch_size, gradient_accumulation_steps=ga)) // ga
     if total == 0:
         raise ConfigError(
             f"train.gradient_accumulation_steps={ga} needs {ga} micro-batches per optimizer step but "

@@ -4,23 +4,145 @@
 
 :class:`Checkpointer` does it for one :class:`~twinkle_core.train.build.TrainingRun`. The ``extra_state`` keys
 :meth:`Checkpointer.save` writes are the ones :meth:`Checkpointer.resume` reads back, which is why both live here.
+
+One run per output directory, also over time: :func:`check_start` runs before anything is built (the trainer calls
+it once it holds the directory's lock; ``twinkle train`` also before launching). A new run (no ``--resume``; a
+``--resume-weights-only`` run is a new run too) into a directory that holds another run's checkpoints or ``final``
+model is refused with a :class:`~twinkle_core.errors.ConfigError` naming that run and the two ways on:
+``--resume latest`` continues it, ``--overwrite`` discards it. With ``--overwrite`` the trainer calls
+:func:`discard_previous_run` on the main process once the model is built and any ``--resume-weights-only`` weights
+are loaded (so ``--resume-weights-only latest --overwrite`` starts a new run in its own directory from the newest
+checkpoint there, read before it is removed), between two barriers. It removes the checkpoints, ``final``, their
+staging leftovers and the run's records (:data:`RUN_RECORDS`), logging each; caches (``data_cache`` ...) and
+anything else stay.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from twinkle_core import distributed
-from twinkle_core.checkpoint import checkpoint_name, latest_checkpoint, prune_checkpoints
+from twinkle_core.checkpoint import (
+    FINAL_NAME,
+    CheckpointError,
+    PreviousRun,
+    checkpoint_name,
+    latest_checkpoint,
+    list_checkpoints,
+    lost_marker,
+    marker_problem,
+    previous_run,
+    prune_checkpoints,
+)
 from twinkle_core.errors import ConfigError
 from twinkle_core.train import resharding
 from twinkle_core.train.build import TrainingRun
+from twinkle_core.train.curves import CURVES_FILE
+from twinkle_core.train.logging import LOG_FILE
+from twinkle_core.train.run_lock import LOCK_FILE
 from twinkle_core.train.task_state import local_task_state
 
 logger = logging.getLogger("twinkle.train")
+
+#: what a run writes into its output directory besides checkpoints: removed by ``--overwrite`` with them
+RUN_RECORDS = (LOG_FILE, "summary.json", CURVES_FILE, "recipe.yaml", "tensorboard")
+#: what an interrupted save leaves beside its checkpoint (:func:`twinkle_core.checkpoint.atomic_directory`)
+_STAGING = re.compile(rf"^\.(checkpoint-\d+(-interrupted)?|{FINAL_NAME})\.(incomplete|replaced)$")
+_OVERWRITE_HINT = "(Python: train(..., resume='latest') or train(..., overwrite=True))"
+#: ``--overwrite`` with ``--resume``
+OVERWRITE_WITH_RESUME = ("--overwrite discards the previous run in train.output_dir and --resume (train.resume) "
+                         "continues it: pass one of them")
+
+
+# ---------------------------------------------------------------------- before a run is built
+def locate_checkpoint(spec: str, output_dir: Path, flag: str) -> Path:
+    """The checkpoint directory ``spec`` names: a path, or a name under ``output_dir``. A missing one is a
+    ConfigError naming what ``output_dir`` holds; one that lost its marker a CheckpointError."""
+    found = Path(spec).expanduser()
+    if not found.exists() and (output_dir / spec).exists():
+        found = output_dir / spec
+    if not found.exists():
+        held = [path.name for _, _, path in list_checkpoints(output_dir)]
+        held += [FINAL_NAME] if (output_dir / FINAL_NAME).is_dir() else []
+        there = f"{output_dir} holds no checkpoint"
+        if held:
+            there = (f"{output_dir} holds {', '.join(held)}: pass one of them (a path, or a name under "
+                     f"train.output_dir), or latest for the newest checkpoint")
+        raise ConfigError(f"{flag}: checkpoint {spec!r} does not exist (neither as a path nor under train.output_dir); "
+                          f"{there}")
+    if lost_marker(found):
+        raise CheckpointError(f"{flag}: {marker_problem(found)}")
+    return found
+
+
+def check_start(output_dir: str | Path, *, resume: str | None = None, weights_only: str | None = None,
+                overwrite: bool = False) -> PreviousRun | None:
+    """Refuse a start that would mix two runs in ``output_dir``, before anything is built; return the previous run
+    that ``overwrite`` is to discard (None: nothing to discard).
+
+    ``resume`` (``--resume`` / ``train.resume``) continues a run: a checkpoint it names must exist and have its
+    marker, and ``latest`` must find a checkpoint to continue where a previous run left only ``final``.
+    Otherwise the run is new (``weights_only`` included) and ``output_dir`` must hold no checkpoint or ``final``
+    of another run, unless ``overwrite``.
+    """
+    output_dir = Path(output_dir)
+    if overwrite and resume:
+        raise ConfigError(OVERWRITE_WITH_RESUME)
+    if resume and resume != "latest":
+        locate_checkpoint(resume, output_dir, "--resume")
+    if weights_only and weights_only != "latest":
+        locate_checkpoint(weights_only, output_dir, "--resume-weights-only")
+    previous = previous_run(output_dir)
+    if resume:
+        if resume == "latest" and previous is not None and not previous.checkpoints:
+            raise ConfigError(
+                f"--resume latest: train.output_dir {output_dir} holds no checkpoint-N to continue, only the final "
+                f"model of {previous.describe()}: that run finished, there is nothing to resume. To train again from "
+                f"scratch there, run without --resume and with --overwrite (removes that final model and its logs), "
+                f"or set train.output_dir to a new directory")
+        return None
+    if previous is None or overwrite:
+        return previous
+    source = ""
+    if weights_only:
+        source = (" --resume-weights-only starts a new run: with --overwrite the weights of its checkpoint are "
+                  "loaded first, then the previous run's files are removed; or write the new run elsewhere (the "
+                  "checkpoint stays where it is).")
+    raise ConfigError(
+        f"train.output_dir {output_dir} already holds the checkpoints of {previous.describe()}; a new run there would "
+        f"mix its checkpoints, final model and logs with that run's.{source} Continue that run with --resume latest, "
+        f"or discard it with --overwrite (removes its checkpoints, final model and logs), or set train.output_dir "
+        f"to a new directory {_OVERWRITE_HINT}")
+
+
+def discard_previous_run(previous: PreviousRun) -> list[Path]:
+    """Remove what ``previous`` left in its output directory (main process only; the caller holds the directory's
+    lock): its checkpoints, ``final``, interrupted saves' staging directories and :data:`RUN_RECORDS`. Each removal
+    is logged; caches and anything else in the directory stay. Returns what was removed."""
+    root = previous.output_dir
+    doomed = list(previous.paths)
+    if root.is_dir():
+        doomed += sorted(path for path in root.iterdir() if _STAGING.match(path.name))
+    doomed += [root / name for name in RUN_RECORDS if (root / name).exists()]
+    removed = []
+    for path in doomed:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    if removed:
+        logger.warning("--overwrite: removed the previous run (%s) from %s: %s", previous.label, root,
+                       ", ".join(p.name for p in removed))
+    kept = sorted(path.name for path in root.iterdir() if path.name != LOCK_FILE) if root.is_dir() else []
+    if kept:
+        logger.info("--overwrite: kept %s in %s (caches and files that are not the run's)", ", ".join(kept), root)
+    return removed
 
 
 @dataclass(frozen=True)
@@ -92,7 +214,7 @@ class Checkpointer:
 
     def save_final(self, step: int, epoch: int) -> str:
         """``final``: the trained weights, without optimizer state."""
-        path = self.save("final", self.state(step, epoch), save_optimizer=False)
+        path = self.save(FINAL_NAME, self.state(step, epoch), save_optimizer=False)
         self.checkpoints.append(path)
         return path
 
@@ -123,18 +245,21 @@ class Checkpointer:
         """The checkpoint ``spec`` names (``latest``: the newest under the output directory, None when there is
         none yet)."""
         output_dir = self.run.output_dir
-        if spec == "latest":
-            # one process hashes the candidates, and every rank resumes from the same one
-            path = distributed.broadcast_object(latest_checkpoint(output_dir) if self.is_main else None)
-            if path is None:
-                logger.warning("%s latest: no checkpoint under %s yet; starting from scratch", flag, output_dir)
-            return path
-        found = Path(spec).expanduser()
-        if not found.exists() and (output_dir / spec).exists():
-            found = output_dir / spec
-        if not found.exists():
-            raise ConfigError(f"{flag}: checkpoint {spec!r} does not exist")
-        return found
+        if spec != "latest":
+            return locate_checkpoint(spec, output_dir, flag)
+        # one process hashes the candidates, and every rank resumes from the same one
+        path, listed = distributed.broadcast_object(
+            (latest_checkpoint(output_dir), [p.name for _, _, p in list_checkpoints(output_dir)]) if self.is_main
+            else (None, []))
+        if path is None and listed:
+            raise CheckpointError(
+                f"{flag} latest: none of the checkpoints under {output_dir} ({', '.join(listed)}) can be resumed "
+                f"from: each is broken, lost its marker or belongs to another run (the warnings above say which). "
+                f"Resume one by path once it is repaired, or start a new run with --overwrite (removes them) or in "
+                f"another train.output_dir")
+        if path is None:
+            logger.warning("%s latest: no checkpoint under %s yet; starting from scratch", flag, output_dir)
+        return path
 
     def resume(self) -> ResumePoint | None:
         """Load the checkpoint to continue from, if any: everything with ``resume``, only the weights with
@@ -142,7 +267,7 @@ class Checkpointer:
         spec = self.resume_spec or self.weights_only_spec
         if not spec:
             return None
-        path = self._find(spec, "train.resume" if self.resume_spec else "--resume-weights-only")
+        path = self._find(spec, "--resume" if self.resume_spec else "--resume-weights-only")
         if path is None:
             return None
         if not self.resume_spec:

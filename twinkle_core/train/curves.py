@@ -20,19 +20,36 @@ logger = logging.getLogger("twinkle.train")
 CURVES_FILE = "curves.png"
 
 
+def read_records(log_file: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of ``log_file``, one a line. A line that is not one (cut by a crash, not valid UTF-8, not an
+    object) is skipped: the rest of the log still draws."""
+    records = []
+    for raw in Path(log_file).read_bytes().splitlines():
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def read_series(log_file: Path, keys: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
-    """``{key: [(step, value), ...]}`` for each key of ``train`` lines and ``eval_<key>`` of ``eval`` lines."""
+    """``{key: [(step, value), ...]}`` for each key of ``train`` lines and ``eval_<key>`` of ``eval`` lines (a
+    record whose ``step`` is not a number is skipped)."""
     series: dict[str, list[tuple[int, float]]] = {}
     wanted = set(keys) | {f"eval_{k}" for k in keys}
-    for line in log_file.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash: the rest of the log still draws
+    for record in read_records(log_file):
+        step = record.get("step", 0)
+        if not _is_number(step) or not math.isfinite(step):
+            continue
         for key, value in record.items():
-            if key in wanted and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                    and math.isfinite(value):
-                series.setdefault(key, []).append((int(record.get("step", 0)), float(value)))
+            if key in wanted and _is_number(value) and math.isfinite(value):
+                series.setdefault(key, []).append((int(step), float(value)))
     return series
 
 
@@ -78,15 +95,9 @@ def plot_curves(log_file: str | Path, keys: Sequence[str], output: str | Path, *
 def numeric_keys(log_file: str | Path) -> list[str]:
     """The numeric values ``log_file`` holds, in first-seen order (``eval_x`` named as ``x``)."""
     seen: dict[str, None] = {}
-    for line in Path(log_file).read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(record, dict):
-            continue
+    for record in read_records(log_file):
         for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if key != "step" and _is_number(value):
                 seen.setdefault(key[5:] if key.startswith("eval_") else key, None)
     return list(seen)
 

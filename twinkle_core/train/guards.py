@@ -1,7 +1,8 @@
 """What stops a training run besides its step count: signals, divergence and data that teaches nothing.
 
 :class:`StopSignals` turns SIGINT / SIGTERM into a request honoured at the next optimizer-step boundary;
-:class:`StepGuard` checks after every step whether to stop, with one collective so that all ranks decide alike.
+:class:`StepGuard` checks after every step whether to stop, with one collective so that all ranks decide alike,
+and at the end of training whether any step was finite at all (:meth:`StepGuard.check_trained`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ LABEL_CHECK_STEPS = 5
 
 
 class TrainingDivergedError(TwinkleError, RuntimeError):
-    """The loss or gradient norm stayed non-finite for ``MAX_NONFINITE_STEPS`` consecutive steps."""
+    """The loss or gradient norm stayed non-finite for ``MAX_NONFINITE_STEPS`` consecutive steps, or for every step
+    of a run shorter than that (:meth:`StepGuard.check_trained`)."""
 
 
 class StopSignals:
@@ -94,6 +96,8 @@ class StepGuard:
         self.nonfinite_run = 0  # consecutive steps with a non-finite loss or gradient norm
         self.label_tokens_seen = 0.0  # over every rank, during the first LABEL_CHECK_STEPS steps of this run
         self.steps_this_run = 0
+        #: steps of this run whose loss and gradient norm were finite on every rank (the same count on each)
+        self.finite_steps = 0
         self.skip_interrupted_save = False  # a state not worth resuming from
 
     def check(self, stop: StopSignals, *, step: int, total_steps: int, finite: bool = True,
@@ -110,6 +114,7 @@ class StepGuard:
         signalled, nonfinite, labels = values
         if label_tokens is not None:
             self.nonfinite_run = self.nonfinite_run + 1 if nonfinite else 0
+            self.finite_steps += 0 if nonfinite else 1
             if self.nonfinite_run >= MAX_NONFINITE_STEPS:
                 raise TrainingDivergedError(
                     f"training diverged: {self.nonfinite_run} consecutive non-finite steps (loss or gradient "
@@ -128,3 +133,16 @@ class StepGuard:
         if signalled:
             name = signal.Signals(stop.signum).name if stop.signum is not None else "a signal on another rank"
             raise KeyboardInterrupt(f"stopping at step {step}: received {name}")
+
+    def check_trained(self, *, step: int, suspects: str) -> None:
+        """At the end of training, before ``final`` is written: a run none of whose steps had a finite loss and
+        gradient norm (on every rank) trained nothing, even when it was too short for the ``MAX_NONFINITE_STEPS``
+        guard; it fails with :class:`TrainingDivergedError` rather than ending with an untrained ``final``. Every
+        rank counted the same reduced values, so all of them raise alike. ``suspects``: the settings to name."""
+        if self.steps_this_run and not self.finite_steps:
+            raise TrainingDivergedError(
+                f"training diverged: every one of the {self.steps_this_run} optimizer steps of this run (up to step "
+                f"{step}) had a non-finite loss or gradient norm (NaN or inf), so no update trained the model and no "
+                f"final model was written (the checkpoints saved on the way are left as they are). Check {suspects}: "
+                f"a learning rate that is too high, an fp16 overflow (use bf16), a loss option out of its range (e.g. "
+                f"beta) and the data (NaN values, labels); then train again")

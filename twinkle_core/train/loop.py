@@ -24,6 +24,15 @@ records the run's id (:func:`twinkle_core.checkpoint.run_lineage`; a run resumed
 run it continues), and ``resume: latest`` only considers the checkpoints of the run that saved last in
 ``output_dir`` (another run's later ``checkpoint-N`` is skipped with a warning naming the path to resume it by).
 
+A new run does not mix with an earlier one either: once the lock is held, and before anything is built, a run
+that does not resume (``--resume-weights-only`` starts a new run too) into an ``output_dir`` holding another run's
+``checkpoint-N`` or ``final`` is refused with a ConfigError naming that run and the fixes (``--resume latest`` to
+continue it, ``--overwrite`` to discard it; :func:`twinkle_core.train.checkpointing.check_start`). With
+``overwrite`` the main process removes that run's checkpoints, ``final`` and logs once the model is built and a
+``--resume-weights-only`` checkpoint's weights are loaded, between barriers (so ``--resume-weights-only latest
+--overwrite`` starts over in its own directory from the newest checkpoint there). A resume must name a checkpoint
+that exists and kept its marker, or it is refused before anything is built.
+
 Stopping early: a first SIGINT (Ctrl+C) or SIGTERM only asks to stop; the loop finishes the current
 optimizer step, saves ``checkpoint-N-interrupted`` (weights and counters of the same step) and raises
 KeyboardInterrupt. With several processes the request is summed over the ranks at every step boundary,
@@ -33,7 +42,7 @@ without saving (the state may be half-way through a step). An error mid-training
 may be blocked). Training refuses to go on, and saves nothing, after ``MAX_NONFINITE_STEPS``
 consecutive steps with a non-finite loss or gradient norm (:class:`TrainingDivergedError`), or when
 the first ``LABEL_CHECK_STEPS`` steps saw no label token on any rank (every label masked with
-``IGNORE_INDEX``).
+``IGNORE_INDEX``). A shorter run none of whose steps was finite fails the same way at its end, without ``final``.
 
 Model constructor convention
 ----------------------------
@@ -95,10 +104,16 @@ from typing import Any
 
 from twinkle_core import checkpoint, distributed
 from twinkle_core.errors import ConfigError
+from twinkle_core.task import default_loss_name
 from twinkle_core.train.batch_stats import batch_tokens, is_finite, label_tokens, loss_and_tokens
 from twinkle_core.train.batches import BatchStream
 from twinkle_core.train.build import ADAPTER_NAME, TrainingRun, build_run
-from twinkle_core.train.checkpointing import Checkpointer
+from twinkle_core.train.checkpointing import (
+    OVERWRITE_WITH_RESUME,
+    Checkpointer,
+    check_start,
+    discard_previous_run,
+)
 from twinkle_core.train.curves import write_curves
 from twinkle_core.train.evaluation import Evaluator
 from twinkle_core.train.guards import (  # noqa: F401 - MAX_NONFINITE_STEPS, LABEL_CHECK_STEPS: documented here
@@ -134,7 +149,8 @@ class Trainer:
     """One training run. ``Trainer(recipe).run()`` is what :func:`train` does; :meth:`build` alone builds the
     run's parts (:attr:`plan`) without training."""
 
-    def __init__(self, recipe: Recipe, *, resume: str | None = None, resume_weights_only: str | None = None) -> None:
+    def __init__(self, recipe: Recipe, *, resume: str | None = None, resume_weights_only: str | None = None,
+                 overwrite: bool = False) -> None:
         self.recipe = recipe
         self.resume_spec = resume if resume is not None else recipe.train.resume
         #: ``--resume-weights-only``: a checkpoint whose weights (and adapter) start a fresh run at step 0
@@ -142,6 +158,12 @@ class Trainer:
         if self.resume_spec and resume_weights_only:
             raise ConfigError("--resume and --resume-weights-only (or train.resume) exclude each other: --resume "
                               "continues the run exactly, --resume-weights-only starts a new one from the weights")
+        #: ``--overwrite``: a new run may replace the previous run's checkpoints, final model and logs in output_dir
+        self.overwrite = overwrite
+        if overwrite and self.resume_spec:
+            raise ConfigError(OVERWRITE_WITH_RESUME)
+        #: what ``overwrite`` discards once the run is built (:func:`check_start`)
+        self.previous_run: checkpoint.PreviousRun | None = None
         self.output_dir = Path(recipe.train.output_dir)
         self.adapter_name: str | None = ADAPTER_NAME if recipe.model.adapter else None
         self.step = 0
@@ -216,6 +238,9 @@ class Trainer:
         self.run_lock = lock
         self.run_id = lock.run_id if lock is not None else uuid.uuid4().hex
         try:
+            # every rank, before building anything: a start that would mix two runs is refused in a moment
+            self.previous_run = check_start(self.output_dir, resume=self.resume_spec,
+                                            weights_only=self.weights_only_spec, overwrite=self.overwrite)
             return self._run(started)
         finally:
             if lock is not None:
@@ -249,15 +274,18 @@ class Trainer:
         try:
             with self.startup_timer.phase("setup"):
                 self.is_main = distributed.is_main_process()
+                self.checkpointer = Checkpointer(run, is_main=self.is_main, resume=self.resume_spec,
+                                                 weights_only=self.weights_only_spec)
+                # --resume-weights-only reads its checkpoint (perhaps in output_dir) before --overwrite removes it
+                resumed = self.checkpointer.resume()
+                if self.overwrite:  # every rank: the barriers are collective
+                    self._discard_previous_run()
                 if self.is_main:
                     import yaml
 
                     self.output_dir.mkdir(parents=True, exist_ok=True)
                     (self.output_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(self.recipe),
                                                                                 sort_keys=False))
-                self.checkpointer = Checkpointer(run, is_main=self.is_main, resume=self.resume_spec,
-                                                 weights_only=self.weights_only_spec)
-                resumed = self.checkpointer.resume()
                 # a run continued exactly keeps its checkpoints' run id; a fresh one (or from weights only) is new
                 continued = checkpoint.read_marker(resumed.path).get("run_id") if resumed and self.resume_spec else None
                 self.lineage = continued or self.run_id
@@ -269,6 +297,15 @@ class Trainer:
             run.task.close()  # what the task started (a PPO critic, sampler threads) also goes on a failed start
             raise
         return resumed.path if resumed is not None else None
+
+    def _discard_previous_run(self) -> None:
+        """``overwrite``: the main process removes the previous run's files once every rank is past reading them
+        (a ``--resume-weights-only`` checkpoint among them), and no rank goes on before they are gone."""
+        distributed.barrier()
+        if self.is_main and self.previous_run is not None:
+            discard_previous_run(self.previous_run)
+        distributed.barrier()
+        self.previous_run = None
 
     def _open_reporter(self, started: float) -> StepReporter:
         run = self.plan
@@ -294,6 +331,7 @@ class Trainer:
         first_step = time.perf_counter(), time.process_time()
         while self.step < run.total_steps:
             window = self._train_step(reporter, stop, window, first_step, outcome)
+        self.guard.check_trained(step=self.step, suspects=self._divergence_suspects())
         if run.evaluates:
             outcome.eval_after = reporter.log_eval(self.step, self.evaluator.evaluate())
             self._check_step(stop)
@@ -304,8 +342,7 @@ class Trainer:
         """One optimizer step, then what follows it: log line, checks, evaluation, checkpoint. Returns the window
         the next step adds to."""
         run, t = self.plan, self.recipe.train
-        step_loss, step_labels = self._accumulate(window)
-        grad_norm = run.model.clip_grad_and_step(max_grad_norm=t.max_grad_norm, adapter_name=run.adapter_name)
+        step_loss, step_labels, grad_norm = self._accumulate(window)
         self.step += 1
         if self.startup is None:
             self.startup = startup_report(self.startup_timer, first_step, is_main=self.is_main)
@@ -327,12 +364,14 @@ class Trainer:
         window.paused += time.time() - paused  # not training time for tokens/s
         return window
 
-    def _accumulate(self, window: StepWindow) -> tuple[float, float]:
-        """Forward and backward ``gradient_accumulation_steps`` micro-batches; ``(their summed loss, their label
-        tokens)``, also added to ``window``."""
-        run = self.plan
+    def _accumulate(self, window: StepWindow) -> tuple[float, float, float | None]:
+        """Forward and backward ``gradient_accumulation_steps`` micro-batches, each followed by
+        ``clip_grad_and_step``, which steps on the last (the model was given the accumulation); ``(their summed
+        loss, their label tokens, the step's pre-clip gradient norm)``, the first two also added to ``window``."""
+        run, t = self.plan, self.recipe.train
         step_loss = step_labels = 0.0
-        for _ in range(self.recipe.train.gradient_accumulation_steps):
+        grad_norm = None
+        for micro in range(t.gradient_accumulation_steps):
             made = time.time()
             batch = run.task.next_training_batch(run.model, self.stream.next_batch)
             window.batch_time += time.time() - made  # data; for RL also sampling and rewards
@@ -344,7 +383,19 @@ class Trainer:
             window.loss += loss
             window.tokens += tokens
             window.input_tokens += batch_tokens(batch)
-        return step_loss, step_labels
+            grad_norm = run.model.clip_grad_and_step(max_grad_norm=t.max_grad_norm, adapter_name=run.adapter_name)
+            if grad_norm is None and micro == t.gradient_accumulation_steps - 1:
+                raise ConfigError(f"the model did not step after train.gradient_accumulation_steps="
+                                  f"{t.gradient_accumulation_steps} micro-batches: something set its optimizer again "
+                                  f"with another gradient_accumulation_steps; set it in the recipe only")
+        return step_loss, step_labels, grad_norm
+
+    def _divergence_suspects(self) -> str:
+        """The settings a run that never had a finite step names: learning rate, precision and loss options."""
+        r = self.recipe
+        loss = r.loss.name or default_loss_name(self.plan.task)
+        options = f" with loss.options {dict(r.loss.options)}" if r.loss.options else ""
+        return f"optimizer.lr={r.optimizer.lr!r}, precision={r.precision!r}, loss {loss!r}{options}"
 
     def _check_step(self, stop: StopSignals, finite: bool = True, label_tokens: float | None = None) -> None:
         self.guard.check(stop, step=self.step, total_steps=self.total_steps, finite=finite, label_tokens=label_tokens,
@@ -391,11 +442,12 @@ class Trainer:
 
 
 def train(recipe: Recipe | str | os.PathLike[str] | dict[str, Any], *, overrides: list[str] | None = None,
-          resume: str | None = None, resume_weights_only: str | None = None) -> dict[str, Any]:
+          resume: str | None = None, resume_weights_only: str | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Train as the recipe says; return a summary (final metrics, evaluation before/after, paths, wall time).
 
     ``recipe`` is a :class:`Recipe`, a YAML path or a mapping; ``resume`` is a checkpoint directory or
-    ``"latest"`` (default: ``train.resume``).
+    ``"latest"`` (default: ``train.resume``). A new run into an ``output_dir`` that holds another run's
+    checkpoints is refused unless ``overwrite`` (which then removes them, ``twinkle train --overwrite``).
     """
     if isinstance(recipe, (str, os.PathLike)):
         recipe = load_recipe(recipe, overrides)
@@ -403,4 +455,4 @@ def train(recipe: Recipe | str | os.PathLike[str] | dict[str, Any], *, overrides
         recipe = recipe_from_dict(recipe, overrides)
     elif overrides:
         recipe = recipe_from_dict(recipe_to_dict(recipe), overrides)
-    return Trainer(recipe, resume=resume, resume_weights_only=resume_weights_only).run()
+    return Trainer(recipe, resume=resume, resume_weights_only=resume_weights_only, overwrite=overwrite).run()

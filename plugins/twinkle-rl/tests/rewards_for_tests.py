@@ -30,3 +30,21 @@ def one_short(prompts, completions, **fields):
 def first_char_parity(prompts, completions, **fields):
     """0 or 1 by the parity of the first character: varies within every group, so every step moves the policy."""
     return [float(ord(c[0]) % 2) if c else 0.0 for c in completions]
+
+
+def exits(prompts, completions, **fields):
+    """A grader script's ``sys.exit`` called from inside a reward."""
+    import sys
+
+    sys.exit(2)
+
+
+def huge(prompts, completions, **fields):
+    """Finite scores whose group std overflows float64 (and whose Dr. GRPO advantages overflow float32)."""
+    return [1e308 if c and ord(c[0]) % 2 else -1e308 for c in completions]
+
+
+def nan_for_first_prompt(prompts, completions, **fields):
+    """No score (nan) for every completion of the first prompt of the batch, 0/1 by parity for the others."""
+    first = prompts[0]
+    return [math.nan if p == first else float(ord(c[0]) % 2) if c else 0.0 for p, c in zip(prompts, completions)]

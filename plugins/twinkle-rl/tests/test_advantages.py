@@ -277,3 +277,100 @@ def test_soft_overlong_penalty_rejects_bad_cache():
 def test_overlong_mask():
     assert overlong_mask(["stop", "length", "stop"]).tolist() == [False, True, False]
     assert overlong_mask([]).shape == (0,)
+
+
+# --------------------------------------------------------------------------- overflow
+
+
+def textbook_grpo(r: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """The formula as it was computed before the power-of-two scaling (float64)."""
+    centered = r - r.mean(dim=1, keepdim=True)
+    return centered / (r.std(dim=1, keepdim=True) + eps)
+
+
+def test_power_of_two_scaling_changes_no_bit_of_ordinary_advantages():
+    r = random_rewards(groups=8, n=6, seed=5) * 1000
+    assert torch.equal(grpo_advantages(r), textbook_grpo(r))
+    assert torch.equal(ESTIMATORS["dr_grpo"](r), r - r.mean(dim=1, keepdim=True))
+    x = random_rewards(groups=3, n=4, seed=6)
+    count = float(x.numel())
+    mean = x.sum() / count  # the moments as the estimator always summed them: [sum x, sum x^2, count]
+    std = ((x * x).sum() / count - mean * mean).clamp(min=0.0).sqrt()
+    assert torch.equal(reinforce_pp_advantages(x), (x - mean) / (std + 1e-8))
+
+
+@pytest.mark.parametrize("magnitude", [1e308, 1e200, 1e150])
+def test_group_std_of_huge_rewards_is_scale_free(magnitude):
+    """std([1e308, -1e308, ...]) overflows float64 (and every advantage of the group came out 0); the estimators
+    are scale-invariant, so the advantages of r * c are those of r (with eps / c)."""
+    unit = torch.tensor([[1.0, -1.0, 1.0, 0.0], [0.5, 0.25, -1.0, 1.0]], dtype=torch.float64)
+    huge = unit * magnitude
+    if magnitude == 1e308:
+        # what the old formula gave: nothing to learn from (nan, or every advantage 0)
+        assert torch.equal(textbook_grpo(huge).nan_to_num(), torch.zeros_like(huge))
+    torch.testing.assert_close(grpo_advantages(huge), grpo_advantages(unit, eps=1e-4 / magnitude),
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(reinforce_pp_advantages(huge), reinforce_pp_advantages(unit, eps=1e-8 / magnitude),
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(rloo_advantages(huge) / magnitude, rloo_advantages(unit), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ESTIMATORS["dr_grpo"](huge) / magnitude, ESTIMATORS["dr_grpo"](unit),
+                               rtol=1e-12, atol=1e-12)
+
+
+def in_lockstep(estimate, shards):
+    """Run ``estimate(shard, global_sum)`` on one thread per rank, every ``global_sum`` an all-reduce over them
+    (as many as the estimator makes, in step)."""
+    import threading
+
+    barrier = threading.Barrier(len(shards))
+    slots: list = [None] * len(shards)
+    results: list = [None] * len(shards)
+    errors: list = []
+
+    def rank(index):
+        def global_sum(t):
+            slots[index] = t.clone()
+            barrier.wait()
+            total = sum(slots[1:], slots[0])
+            barrier.wait()  # everyone has read the slots before the next reduction writes them
+            return total
+
+        try:
+            results[index] = estimate(shards[index], global_sum)
+        except Exception as exc:  # re-raised below, on the test's thread
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(shards))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_reinforce_pp_and_whiten_on_huge_values_agree_over_two_ranks():
+    """Moments of values beyond ~1e154 overflow; the ranks then agree on one power-of-two scale (a second
+    all-reduce) and get the advantages one process gets."""
+    r = random_rewards(groups=6, n=4, seed=3) * 1e306
+    per_rank = in_lockstep(lambda x, gs: reinforce_pp_advantages(x, global_sum=gs), (r[:2], r[2:]))
+    whole = reinforce_pp_advantages(r)
+    assert torch.isfinite(whole).all()
+    torch.testing.assert_close(torch.cat(per_rank), whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(whole, reinforce_pp_advantages(r / 1e306, eps=1e-8 / 1e306), rtol=1e-9, atol=1e-9)
+    x = random_rewards(groups=4, n=5, seed=4) * 1e200
+    mask = torch.rand(4, 5, generator=torch.Generator().manual_seed(0)) > 0.3
+    per_rank = in_lockstep(lambda shard, gs: whiten(*shard, global_sum=gs), ((x[:1], mask[:1]), (x[1:], mask[1:])))
+    torch.testing.assert_close(torch.cat(per_rank), whiten(x, mask), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(whiten(x, mask), whiten(x / 1e200, mask, eps=1e-300), rtol=1e-9, atol=1e-9)
+
+
+def test_non_finite_estimator_options_are_refused():
+    with pytest.raises(ConfigError, match=r"advantage_options.eps must be a finite number > 0, got nan"):
+        grpo_advantages(random_rewards(), eps=float("nan"))
+    with pytest.raises(ConfigError, match=r"eps must be a finite number > 0"):
+        reinforce_pp_advantages(random_rewards(), eps=float("inf"))
+    with pytest.raises(ConfigError, match=r"whiten: eps"):
+        whiten(torch.ones(2, 2), torch.ones(2, 2, dtype=torch.bool), eps=-1.0)

@@ -427,3 +427,27 @@ def test_the_plugin_registers_the_losses(monkeypatch):
             assert PREFERENCE_PAIRS in loaded.requires
     finally:
         reset_plugins()
+
+
+@pytest.mark.parametrize("name, options, match", [
+    ("dpo", {"beta": float("nan")}, r"dpo loss: beta must be a finite number > 0, got nan"),
+    ("dpo", {"beta": float("inf")}, r"dpo loss: beta must be a finite number > 0"),
+    ("dpo", {"label_smoothing": float("nan"), "loss_type": "hinge"}, r"label_smoothing must be a finite number"),
+    ("dpo", {"sft_weight": float("nan")}, r"sft_weight must be a finite number >= 0"),
+    ("simpo", {"gamma": float("nan")}, r"simpo loss: gamma must be a finite number"),
+    ("simpo", {"beta": float("nan")}, r"simpo loss: beta"),
+    ("orpo", {"beta": float("nan")}, r"orpo loss: beta must be a finite number >= 0"),
+    ("grpo", {"beta": float("nan")}, r"grpo loss: beta must be a finite number >= 0"),
+    ("grpo", {"epsilon": float("nan")}, r"grpo loss: the lower clip range"),
+    ("dapo", {"epsilon_high": float("inf")}, r"dapo loss: the upper clip range"),
+    ("ppo", {"temperature": float("nan")}, r"ppo loss: temperature must be a finite number > 0"),
+    ("gspo", {"beta": float("inf")}, r"gspo loss: beta"),
+    ("dr_grpo", {"max_completion_length": 0}, r"max_completion_length must be an integer >= 1"),
+    ("ppo_value", {"clip_range_value": float("inf")}, r"clip_range_value \(None: no clipping\) must be a finite"),
+])
+def test_non_finite_loss_options_are_refused(name, options, match):
+    """nan passes no comparison (``nan <= 0`` is false), so every bound is checked with isfinite first."""
+    from twinkle_core.model.loss_setup import build_loss
+
+    with pytest.raises(ConfigError, match=match):
+        build_loss(name, **options)

@@ -188,6 +188,16 @@ USER_REWARDS = """
     def mutate(prompts, completions, **fields):
         fields["answer"].clear()
         return [0.0 for _ in completions]
+
+    def exits(prompts, completions, **fields):
+        import sys
+        sys.exit("grader gave up")
+
+    def interrupted(prompts, completions, **fields):
+        raise KeyboardInterrupt
+
+    def huge(prompts, completions, **fields):
+        return [1e308 for _ in completions]
 """
 
 
@@ -328,3 +338,33 @@ def test_tensor_scores_are_accepted():
         return torch.tensor([0.25] * len(completions))
 
     assert RewardSet([as_tensor]).score(["p"], ["c"]).total == [0.25]
+
+
+def test_sys_exit_in_a_reward_is_one_error_naming_it(user):
+    """A grader calling sys.exit would end the run silently (even with exit code 0): it is a RewardError instead."""
+    with pytest.raises(RewardError, match=rf"{user}:exits.*called sys.exit\('grader gave up'\).*never exit") as info:
+        RewardSet([f"{user}:exits"]).score(["p"], ["c"])
+    assert isinstance(info.value.__cause__, SystemExit)
+
+
+def test_ctrl_c_inside_a_reward_is_not_swallowed(user):
+    with pytest.raises(KeyboardInterrupt):
+        RewardSet([f"{user}:interrupted"]).score(["p"], ["c"])
+
+
+def test_finite_scores_whose_weighted_sum_overflows_are_refused(user):
+    RewardSet([f"{user}:huge"]).score(["p"], ["c"])  # 1e308 alone is finite
+    with pytest.raises(RewardError, match=rf"weighted sum for completion 0 overflows to inf .*{user}:huge = 1e\+308 "
+                                          rf"x weight 2"):
+        RewardSet([{"name": f"{user}:huge", "weight": 2.0}]).score(["p"], ["c"])
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"name": "numeric_answer", "options": {"tolerance": math.inf}}, "numeric_answer: tolerance must be a finite"),
+    ({"name": "numeric_answer", "options": {"tolerance": math.nan}}, "numeric_answer: tolerance must be a finite"),
+    ({"name": "length_penalty", "options": {"max_length": 4, "coefficient": math.inf}}, "coefficient must be a finite"),
+    ({"name": "regex", "weight": math.nan, "options": {"pattern": "a"}}, "must be a finite number"),
+])
+def test_non_finite_reward_options_are_refused(options, match):
+    with pytest.raises(ConfigError, match=match):
+        RewardSet([options], plugins=FakePlugins())

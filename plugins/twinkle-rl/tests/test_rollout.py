@@ -116,3 +116,30 @@ def test_the_rollout_reduces_over_the_models_data_parallel_view():
     assert dp.sum(value) is value and dp.any(True) and not dp.any(False)
     assert dp.max({"a": 3.0}, ["a", "b"]) == {"a": 3.0, "b": 0.0}
     assert (DataParallel().view.rank, DataParallel().view.size) == (0, 1)
+
+
+def test_a_group_without_any_score_trains_nothing_and_is_left_out_of_the_advantages(caplog):
+    """A reward that gives nan ("no score") for every completion of a prompt: that group's advantages are 0 and
+    its labels masked (no policy-gradient nor KL term, not counted in the loss's mean), the estimator normalises
+    over the other groups only, and one warning names the reward."""
+    import logging
+    import math
+
+    def no_score_for_prompt_0(prompts, completions, **fields):
+        return [math.nan if p == "p0" else float(c == "good") for p, c in zip(prompts, completions, strict=True)]
+
+    eng = RolloutEngine(sampler=ScriptedSampler(lambda i, j: completion("good" if j else "bad", 2)),
+                        rewards=RewardSet([no_score_for_prompt_0, score_text]), params=SamplingParams(max_new_tokens=4),
+                        num_generations=N, estimator="reinforce_pp", estimator_options={}, seed=7, pad_token_id=0)
+    stats = RolloutStats()
+    with caplog.at_level(logging.WARNING, logger="twinkle.rl"):
+        rollout = eng.run(draws([0, 1, 2]), 0, stats)
+    assert stats.sums["groups_without_score"] == 1
+    assert torch.equal(rollout.advantages[0], torch.zeros(N, dtype=rollout.advantages.dtype))
+    assert (rollout.batch["labels"][:N] == -100).all() and (rollout.batch["labels"][N:] != -100).any()
+    # REINFORCE++ over the two scored groups only: their totals are [0, 2] each (score_text + parity), whitened
+    scored = rollout.rewards[1:]
+    expected = (scored - scored.mean()) / (scored.std(unbiased=False) + 1e-8)
+    torch.testing.assert_close(rollout.advantages[1:], expected)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no_score_for_prompt_0" in warnings[0] and "1 of the 3 prompts" in warnings[0]

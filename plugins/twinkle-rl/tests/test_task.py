@@ -116,7 +116,7 @@ def test_long_prompt_is_cut_from_its_start_identically_for_both(tokenizer, caplo
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "1 of 2 pairs are longer than max_length" in warnings[0]
     assert "1 truncated" in warnings[0] and "0 skipped" in warnings[0]
-    assert task.stats == {"pairs": 2, "truncated": 1, "skipped_over_length": 0}
+    assert task.stats == {"pairs": 2, "truncated": 1, "skipped_over_length": 0, "skipped_identical": 0}
 
 
 def test_long_answers_are_cut_to_the_same_length(tokenizer):
@@ -151,6 +151,32 @@ def test_skip_drops_long_pairs_and_counts_them(tokenizer, caplog):
     assert any("2 skipped" in r.getMessage() for r in caplog.records)
     with pytest.raises(DataFormatError, match="over_length=skip drops them all"):
         PreferenceTask(over_length="skip").load_dataset([long_row], tokenizer, max_length=limit)
+
+
+def test_pairs_that_become_identical_when_truncated_are_skipped_and_counted(tokenizer, caplog):
+    """Answers that differ only beyond max_length are the same tokens once cut: such a pair teaches nothing
+    (its DPO margin is 0 whatever the model), so it is skipped and counted like a pair of identical answers."""
+    same_start = {"prompt": "hi", "chosen": "q" * 40 + "right", "rejected": "q" * 40 + "wrong"}
+    identical = {"prompt": "hi", "chosen": "same", "rejected": "same"}
+    limit = len(_full(tokenizer, {"prompt": "hi", "chosen": "q", "rejected": "r"}).prompt_ids) + 20
+    with caplog.at_level(logging.WARNING, logger="twinkle.rl"):
+        task, features = load(tokenizer, [GOOD, same_start, identical], max_length=limit)
+    assert len(features) == 1 and features[0].chosen_ids != features[0].rejected_ids
+    assert task.stats == {"pairs": 1, "truncated": 1, "skipped_over_length": 0, "skipped_identical": 2}
+    assert "same tokens after max_length" in caplog.text
+    with pytest.raises(DataFormatError, match="every pair's answers are the same tokens"):
+        PreferenceTask().load_dataset([same_start], tokenizer, max_length=limit)
+    untruncated = load(tokenizer, [same_start])[1]  # without the cut the pair is kept
+    assert len(untruncated) == 1
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"max_length": float("nan")}, "max_length must be an integer >= 2"),
+    ({"pad_to_multiple_of": 0}, "pad_to_multiple_of must be an integer >= 1"),
+])
+def test_non_finite_or_out_of_range_task_options_are_refused(options, match):
+    with pytest.raises(ConfigError, match=match):
+        PreferenceTask(**options)
 
 
 # ---------------------------------------------------------------------- batches
@@ -435,11 +461,49 @@ def test_precomputed_reference_is_cached_and_reused(tokenizer, tmp_path):
     expected = expected_ref(model.table * 0.5, task.collate(features))
     assert [v for f in annotated for v in f.ref_logps] == pytest.approx(expected.tolist(), rel=1e-6)
     again = task.prepare_dataset(model, features, split="train", output_dir=str(tmp_path))
-    assert len(model.calls) == 1 and [f.ref_logps for f in again] == [f.ref_logps for f in annotated]
+    # reused after one forward pass over the probe pairs (here all three) that checks the reference
+    assert len(model.calls) == 2 and [f.ref_logps for f in again] == [f.ref_logps for f in annotated]
     changed = task.prepare_dataset(model, features[:2], split="train", output_dir=str(tmp_path))
-    assert len(model.calls) == 2 and len(changed) == 2  # other data: computed again
+    assert len(model.calls) == 3 and len(changed) == 2  # other data: computed again (no probe: nothing to check)
     batch = task.collate(annotated)
-    assert task.prepare_batch(model, batch) is batch and len(model.calls) == 2
+    assert task.prepare_batch(model, batch) is batch and len(model.calls) == 3
+
+
+def test_precomputed_reference_of_other_start_weights_is_computed_again(tokenizer, tmp_path, caplog):
+    """The cache is keyed by the data, and checked against the reference itself: the same data with other
+    start weights (a retrained SFT model under the same path) must not reuse the old model's log-probs."""
+    from twinkle_rl.precompute import PROBE_PAIRS, probe_indices
+
+    task = PreferenceTask(reference="precomputed")
+    features = task.load_dataset(pair_rows(6) * 4, tokenizer)  # 24 pairs: the probe samples 16 of them
+    assert probe_indices(24) == sorted(set(probe_indices(24))) and len(probe_indices(24)) == PROBE_PAIRS
+    assert probe_indices(24)[0] == 0 and probe_indices(24)[-1] == 23
+    old = FakeModel(adapters=["default"], seed=0)
+    task.prepare_dataset(old, features, split="train", output_dir=str(tmp_path))
+    new = FakeModel(adapters=["default"], seed=1)  # other weights, same data and output directory
+    with caplog.at_level(logging.WARNING, logger="twinkle.rl"):
+        annotated = task.prepare_dataset(new, features, split="train", output_dir=str(tmp_path))
+    assert len(new.calls) == 1 + 2  # the probe, then the whole pass (24 pairs: two batches of 16)
+    assert "computed with another reference model" in caplog.text
+    expected = expected_ref(new.table * 0.5, task.collate(features))
+    assert [v for f in annotated for v in f.ref_logps] == pytest.approx(expected.tolist(), rel=1e-6)
+    again = FakeModel(adapters=["default"], seed=1)
+    task.prepare_dataset(again, features, split="train", output_dir=str(tmp_path))
+    assert len(again.calls) == 1  # the new values were cached: the probe agrees, nothing is computed
+
+
+def test_a_cache_of_the_previous_version_is_computed_again(tokenizer, tmp_path, caplog):
+    from twinkle_rl.precompute import cache_path, fingerprint
+
+    task = PreferenceTask(reference="precomputed")
+    features = task.load_dataset(pair_rows(2), tokenizer)
+    path = cache_path(str(tmp_path), "train")
+    (tmp_path / "reference_logps").mkdir()
+    torch.save({"fingerprint": fingerprint(features), "ref_logps": torch.zeros(2, 2)}, path)  # no version: stale
+    model = FakeModel(adapters=["default"])
+    with caplog.at_level(logging.WARNING, logger="twinkle.rl"):
+        annotated = task.prepare_dataset(model, features, split="train", output_dir=str(tmp_path))
+    assert "another version" in caplog.text and annotated[0].ref_logps != (0.0, 0.0)
 
 
 def test_evaluate_counts_generations_that_give_the_chosen_or_the_rejected_answer(tokenizer, monkeypatch):
@@ -458,3 +522,55 @@ def test_evaluate_counts_generations_that_give_the_chosen_or_the_rejected_answer
     result = task.evaluate(object(), features, tokenizer, max_new_tokens=4)
     assert result == {"preferred_rate": pytest.approx(1 / 3), "rejected_rate": pytest.approx(1 / 3), "num_examples": 3}
     assert seen == [[f.prompt_ids for f in features]]  # the prompts end with the generation prompt
+
+
+# ---------------------------------------------------------------------- through twinkle train
+@pytest.mark.timeout(300)
+def test_a_retrained_start_model_gets_a_fresh_precomputed_reference(tmp_path):
+    """A new DPO run in the same output directory (``--overwrite`` keeps caches) from a retrained SFT model under
+    the same path: its first step must compare the policy with itself (margin 0), not with the old model."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from twinkle_core.train.loop import train
+
+    examples = Path(__file__).resolve().parents[3] / "examples"
+    (tmp_path / "sft.jsonl").write_text("".join((examples / "dpo" / "sft.jsonl").read_text().splitlines(True)[:32]))
+    (tmp_path / "pairs.jsonl").write_text("".join((examples / "dpo" / "train.jsonl").read_text().splitlines(True)[:24]))
+    config = {"model_type": "qwen2", "vocab_size": 262, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 128, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 0,
+              "pad_token_id": 0}
+
+    def sft(steps):
+        out = tmp_path / f"sft{steps}"
+        train({"task": "causal_lm", "precision": "no",
+               "model": {"class_name": "TransformersModel", "tokenizer": str(examples / "quickstart" / "tokenizer"),
+                         "config": config},
+               "data": {"train": str(tmp_path / "sft.jsonl"), "mode": "chat", "max_length": 64, "batch_size": 16},
+               "optimizer": {"name": "AdamW", "lr": 3e-3}, "lr_scheduler": {"name": "constant"},
+               "train": {"output_dir": str(out), "max_steps": steps, "seed": 0}})
+        start = tmp_path / "start"  # the path the DPO recipe names, rewritten by the second SFT run
+        shutil.rmtree(start, ignore_errors=True)
+        shutil.copytree(out / "final", start)
+        return start
+
+    def dpo(start, **kw):
+        out = tmp_path / "dpo"
+        train({"task": "preference", "task_options": {"reference": "precomputed"}, "precision": "no",
+               "model": {"class_name": "TransformersModel", "model_id": str(start)},
+               "data": {"train": str(tmp_path / "pairs.jsonl"), "max_length": 64, "batch_size": 8},
+               "loss": {"name": "dpo", "options": {"beta": 0.1}}, "optimizer": {"name": "AdamW", "lr": 1e-3},
+               "lr_scheduler": {"name": "constant"},
+               "train": {"output_dir": str(out), "max_steps": 1, "seed": 0, "log_every": 1}}, **kw)
+        lines = [json.loads(line) for line in (out / "logs.jsonl").read_text().splitlines()]
+        return [line for line in lines if line["event"] == "train"][-1]
+
+    assert dpo(sft(1))["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    cache = tmp_path / "dpo" / "reference_logps" / "train.pt"
+    before = torch.load(cache)["ref_logps"]
+    line = dpo(sft(3), overwrite=True)  # same data, same output directory, same model path: other weights
+    assert line["rewards/margins"] == pytest.approx(0.0, abs=1e-6), line  # the old model's cached values: not 0
+    assert line["rewards/accuracies"] == 0.0
+    assert not torch.allclose(torch.load(cache)["ref_logps"], before, atol=1e-3)  # the cache was replaced

@@ -1,8 +1,18 @@
 """Advantage estimators of online RL, as plain torch functions.
 
 Group estimators take ``rewards`` shaped ``[num_groups, n]``: row ``g`` holds the scalar rewards of the ``n``
-completions sampled for prompt ``g``. They return advantages of the same shape and dtype (half precision is
-computed in float32). ``ESTIMATORS`` maps a recipe's ``advantage:`` name to one of them with a uniform
+completions sampled for prompt ``g``. They return advantages of the same shape and dtype (integer and half
+precision rewards give float32).
+
+Overflow. Every estimator computes in float64 on rewards divided by a power of two (per group, or agreed over
+the ranks for the batch-normalising ones): dividing by a power of two is exact, so ordinary rewards give
+bit for bit the advantages of the textbook formula, and any finite rewards, up to float64's largest
+(``1e308``), give finite moments: the group std of ``[1e308, -1e308]`` no longer overflows to ``inf`` (which
+turned every advantage of the group into 0). What the estimators cannot change is the range of their
+result: ``dr_grpo``, ``rloo`` and PPO's GAE give advantages in reward units, and the rollout refuses
+advantages the float32 loss cannot hold (:class:`twinkle_rl.rewards.RewardError` naming the reward).
+
+``ESTIMATORS`` maps a recipe's ``advantage:`` name to one of them with a uniform
 signature; :func:`gae` is separate because PPO's estimate needs a value model.
 
 ``global_sum`` is an optional callable ``(tensor) -> tensor`` returning the element-wise sum of a tensor over
@@ -18,6 +28,7 @@ from typing import Any
 import torch
 
 from twinkle_core.errors import ConfigError
+from twinkle_rl.checks import finite_number
 
 GlobalSum = Callable[[torch.Tensor], torch.Tensor]
 
@@ -36,8 +47,29 @@ def _floating(x: torch.Tensor) -> torch.Tensor:
 
 
 def _like(result: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """``result`` in ``source``'s dtype; float32 for integer sources."""
-    return result.to(source.dtype if source.is_floating_point() else torch.float32)
+    """``result`` in ``source``'s dtype; float32 for integer sources (and half precision: its range is too small
+    for advantages of large rewards)."""
+    return result.to(source.dtype if source.dtype in (torch.float32, torch.float64) else torch.float32)
+
+
+#: power-of-two exponents the scaling keeps to: ``2 ** -MAX_EXPONENT`` and ``2 ** MAX_EXPONENT`` are normal float64
+MAX_EXPONENT = 1000
+
+
+def _inverse_scale(magnitude: torch.Tensor) -> torch.Tensor:
+    """``2 ** -e`` with ``magnitude * 2 ** -e`` in ``[0.5, 1)``: a power of two, so multiplying by it is exact
+    (1 where ``magnitude`` is 0 or not finite; ``e`` kept to ``[-MAX_EXPONENT, 1024]``)."""
+    _, exponent = torch.frexp(magnitude)
+    inverse = torch.pow(2.0, -exponent.clamp(-MAX_EXPONENT, 1024).to(torch.float64))
+    usable = (magnitude > 0) & torch.isfinite(magnitude)
+    return torch.where(usable, inverse, torch.ones_like(inverse))
+
+
+def _scaled_groups(rewards: torch.Tensor, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rewards / s, 1 / s)`` in float64, ``s`` a power of two per group (row) around its largest magnitude."""
+    r = _as_groups(rewards, where).to(torch.float64)
+    inverse = _inverse_scale(r.abs().amax(dim=1, keepdim=True))
+    return r * inverse, inverse
 
 
 # --------------------------------------------------------------------------- group baselines
@@ -54,14 +86,15 @@ def grpo_advantages(rewards: torch.Tensor, *, scale_by_std: bool = True, eps: fl
     ``scale_by_std=False`` is Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"):
     ``A_i = r_i - mean(r_group)``, removing the per-question difficulty bias that the division introduces.
     """
-    r = _as_groups(rewards, "grpo_advantages")
-    centered = r - r.mean(dim=1, keepdim=True)
+    eps = finite_number("advantage_options.eps", eps, low=0.0, low_open=scale_by_std)
+    x, inverse = _scaled_groups(rewards, "grpo_advantages")  # the formula on rewards / s: exact, no overflow
+    centered = x - x.mean(dim=1, keepdim=True)
     if not scale_by_std:
-        return _like(centered, rewards)
-    if r.shape[1] < 2:
+        return _like(centered / inverse, rewards)
+    if x.shape[1] < 2:
         raise ConfigError(f"grpo_advantages: the group std needs n >= 2 completions per prompt, got n = "
-                          f"{r.shape[1]}; sample more per prompt or use dr_grpo (no std)")
-    advantages = centered / (r.std(dim=1, keepdim=True) + eps)
+                          f"{x.shape[1]}; sample more per prompt or use dr_grpo (no std)")
+    advantages = centered / (x.std(dim=1, keepdim=True) + eps * inverse)  # (r - m) / (std + eps), both over s
     return _like(advantages, rewards)
 
 
@@ -72,37 +105,50 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
 
     each completion's baseline is the mean reward of the other ``n - 1`` samples of its prompt.
     """
-    r = _as_groups(rewards, "rloo_advantages")
-    n = r.shape[1]
+    x, inverse = _scaled_groups(rewards, "rloo_advantages")
+    n = x.shape[1]
     if n < 2:
         raise ConfigError(f"rloo_advantages: the leave-one-out baseline needs n >= 2 completions per prompt, "
                           f"got n = {n}")
-    others_mean = (r.sum(dim=1, keepdim=True) - r) / (n - 1)
-    advantages = r - others_mean
-    return _like(advantages, rewards)
+    others_mean = (x.sum(dim=1, keepdim=True) - x) / (n - 1)
+    return _like((x - others_mean) / inverse, rewards)
 
 
 # --------------------------------------------------------------------------- batch normalisation
 
 
-def _global_moments(x: torch.Tensor, mask: torch.Tensor | None,
-                    global_sum: GlobalSum | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and population variance of ``x`` (where ``mask``) over all ranks, accumulated in float64.
+def _reduce(sums: torch.Tensor, global_sum: GlobalSum | None) -> torch.Tensor:
+    return sums if global_sum is None else global_sum(sums)
 
-    One all-reduce of ``[sum x, sum x^2, count]``; float64 keeps ``E[x^2] - E[x]^2`` accurate for the
-    bounded values (rewards, advantages) this is used on.
+
+def _global_moments(x: torch.Tensor, mask: torch.Tensor | None,
+                    global_sum: GlobalSum | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mean, population variance, 1 / s)``: the moments of ``x / s`` (where ``mask``) over all ranks, in
+    float64, ``s`` a power of two.
+
+    One all-reduce of ``[sum x, sum x^2, count, probe]``: ``s`` is 1 unless those sums overflow (values beyond
+    about ``1e154``); then ``probe``, the sum over the ranks of ``2 ** (e - 1023)`` for each rank's largest
+    magnitude ``< 2 ** e``, gives every rank the same ``s >= 2 ** max(e)``, and a second all-reduce sums the
+    moments of ``x / s``. float64 keeps ``E[x^2] - E[x]^2`` accurate for the values this is used on.
     """
     x64 = x.to(torch.float64)
     weight = torch.ones_like(x64) if mask is None else mask.to(torch.float64)
     x64 = torch.where(weight > 0, x64, torch.zeros_like(x64))  # padding may hold garbage, even nan
-    sums = torch.stack([(x64 * weight).sum(), (x64 * x64 * weight).sum(), weight.sum()])
-    if global_sum is not None:
-        sums = global_sum(sums)
-    total, total_sq, count = sums.unbind()
+    largest = x64.abs().max() if x64.numel() else x64.new_zeros(())
+    probe = torch.where(largest > 0, torch.pow(2.0, torch.frexp(largest)[1].to(torch.float64) - 1023),
+                        largest.new_zeros(()))
+    total, total_sq, count, probe = _reduce(torch.stack([(x64 * weight).sum(), (x64 * x64 * weight).sum(),
+                                                         weight.sum(), probe]), global_sum).unbind()
+    inverse = torch.ones((), dtype=torch.float64)
+    if not (torch.isfinite(total) and torch.isfinite(total_sq)):  # the same on every rank: the sums are global
+        inverse = torch.pow(2.0, -(torch.frexp(probe)[1].to(torch.float64) + 1022))
+        scaled = x64 * inverse
+        total, total_sq, count = _reduce(torch.stack([(scaled * weight).sum(), (scaled * scaled * weight).sum(),
+                                                      weight.sum()]), global_sum).unbind()
     count = count.clamp(min=1.0)
     mean = total / count
     variance = (total_sq / count - mean * mean).clamp(min=0.0)
-    return mean, variance
+    return mean, variance, inverse
 
 
 def reinforce_pp_advantages(rewards: torch.Tensor, *, eps: float = 1e-8,
@@ -116,9 +162,10 @@ def reinforce_pp_advantages(rewards: torch.Tensor, *, eps: float = 1e-8,
     without a special case for ``N = 1``, and over a global batch ``N`` vs ``N - 1`` is immaterial. The
     paper's per-token KL penalty belongs to the reward / loss, not to this normalisation.
     """
+    eps = finite_number("advantage_options.eps", eps, low=0.0, low_open=True)
     r = _floating(rewards)
-    mean, variance = _global_moments(r, None, global_sum)
-    advantages = (r.to(torch.float64) - mean) / (variance.sqrt() + eps)
+    mean, variance, inverse = _global_moments(r, None, global_sum)
+    advantages = (r.to(torch.float64) * inverse - mean) / (variance.sqrt() + eps * inverse)
     return _like(advantages, rewards)
 
 
@@ -131,10 +178,13 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps:
     """
     if x.shape != mask.shape:
         raise ValueError(f"whiten: x {tuple(x.shape)} and mask {tuple(mask.shape)} must have the same shape")
-    mean, variance = _global_moments(x, mask, global_sum)
-    whitened = (x.to(torch.float64) - mean) * torch.rsqrt(variance + eps)
+    eps = finite_number("whiten: eps", eps, low=0.0, low_open=True)
+    mean, variance, inverse = _global_moments(x, mask, global_sum)
+    centered = x.to(torch.float64) * inverse - mean
+    denominator = variance + eps * inverse * inverse  # (var + eps) over s^2; 0 only if eps * s^-2 underflows
+    whitened = centered * torch.rsqrt(denominator) if bool(denominator > 0) else torch.zeros_like(centered)
     if not shift_mean:
-        whitened = whitened + mean
+        whitened = whitened + mean / inverse
     whitened = torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
     return _like(whitened, x)
 

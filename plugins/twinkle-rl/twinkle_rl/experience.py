@@ -10,8 +10,9 @@ for the label at ``t + 1``):
 * ``advantages``: ``[S]`` per sequence (GRPO family), or ``[S, T - 1]`` per token.
 
 Sequence ``s`` of a rollout of ``P`` prompts with ``n`` completions each is completion ``s % n`` of prompt
-``s // n``: a group is contiguous and never split by the rollout itself. The order of training
-(:func:`micro_batch_order`) shuffles sequences only when a rollout is trained for several epochs or in
+``s // n``: a group is contiguous and never split by the rollout itself. The advantages are computed over the
+whole rollout before it is cut into micro-batches (:func:`micro_batch_order`), so a micro-batch need not hold
+whole groups. The order of training shuffles sequences only when a rollout is trained for several epochs or in
 several mini-batches, with a permutation that depends on the seed, the rollout and the epoch only.
 """
 
@@ -65,12 +66,15 @@ def select_rows(batch: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
     return out
 
 
-def micro_batch_order(num_sequences: int, *, micro_batch_size: int, epochs: int, shuffle: bool, seed: int,
+def micro_batch_order(num_sequences: int, *, micro_batches: int, epochs: int, shuffle: bool, seed: int,
                       rollout: int) -> list[torch.Tensor]:
-    """The rows of each micro-batch, epoch after epoch. Without ``shuffle`` the rollout's order is kept."""
-    if micro_batch_size < 1 or num_sequences % micro_batch_size:
-        raise ConfigError(f"task_options.micro_batch_size={micro_batch_size} must divide the {num_sequences} "
-                          f"completions of a rollout (data.batch_size prompts x num_generations)")
+    """The rows of each micro-batch, epoch after epoch: each epoch's rows cut into ``micro_batches`` parts of
+    (nearly) equal size, so a shorter rollout (the last data batch of an epoch) still makes as many micro-batches
+    as a full one; with fewer rows than parts some parts are empty (see :func:`masked_rows`). The losses sum over
+    the micro-batches of an optimizer step and divide once, so parts of unequal size train exactly as the whole
+    rollout would. Without ``shuffle`` the rollout's order is kept."""
+    if micro_batches < 1:
+        raise ConfigError(f"a rollout needs at least one micro-batch, got {micro_batches}")
     order: list[torch.Tensor] = []
     for epoch in range(epochs):
         if shuffle:
@@ -78,12 +82,21 @@ def micro_batch_order(num_sequences: int, *, micro_batch_size: int, epochs: int,
             rows = torch.randperm(num_sequences, generator=generator)
         else:
             rows = torch.arange(num_sequences)
-        order.extend(rows.split(micro_batch_size))
+        order.extend(rows.tensor_split(micro_batches))
     return order
+
+
+def masked_rows(batch: dict[str, Any]) -> dict[str, Any]:
+    """A stand-in for an empty micro-batch: the first row with every label masked. It trains nothing (no label
+    token, no sequence) but keeps the number of forward / backward passes (and collectives) of every step."""
+    out = select_rows(batch, torch.tensor([0]))
+    out["labels"] = torch.full_like(out["labels"], IGNORE_INDEX)
+    return out
 
 
 def completion_lengths(completions: Sequence[Completion]) -> torch.Tensor:
     return torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
 
 
-__all__ = ["IGNORE_INDEX", "completion_lengths", "experience_batch", "micro_batch_order", "select_rows"]
+__all__ = ["IGNORE_INDEX", "completion_lengths", "experience_batch", "masked_rows", "micro_batch_order",
+           "select_rows"]

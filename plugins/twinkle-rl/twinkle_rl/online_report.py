@@ -16,7 +16,7 @@ from twinkle_rl.rollout import DataParallel, RolloutEngine, RolloutStats
 
 #: sums every rank reduces, also a rank whose rollouts had none of them (the keys must agree)
 BASE_SUMS = ("completions", "reward", "reward_sq", "completion_tokens", "truncated", "sampler_time_s", "nan_rewards",
-             "empty_completions", "groups_dropped", "groups_filled_uninformative", "policy_lag")
+             "empty_completions", "groups_dropped", "groups_filled_uninformative", "groups_without_score", "policy_lag")
 
 
 def _accuracy(out: dict[str, float], names: list[str], accuracy_reward: str | None) -> None:
@@ -44,7 +44,8 @@ def summarise(stats: RolloutStats, dp: DataParallel, *, reward_names: list[str],
            "clipped_fraction": total["truncated"] / count,
            "sampler_time_s": total["sampler_time_s"],
            "sampler_tokens_per_s": total["completion_tokens"] / max(total["sampler_time_s"], 1e-9),
-           "nan_rewards": total["nan_rewards"], "empty_completions": total["empty_completions"]}
+           "nan_rewards": total["nan_rewards"], "groups_without_score": total["groups_without_score"],
+           "empty_completions": total["empty_completions"]}
     if one_step_off:
         out["policy_lag"] = total["policy_lag"] / count
     if dynamic_sampling:

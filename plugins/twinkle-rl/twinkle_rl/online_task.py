@@ -16,8 +16,9 @@ every optimizer step the sampler is brought to the new weights (``Task.after_ste
 * ``advantage``: ``grpo`` (default; group mean and std), ``dr_grpo`` (group mean only), ``rloo`` or
   ``reinforce_pp``; ``advantage_options`` are passed to it;
 * ``ppo_epochs`` (1): passes over each rollout; ``micro_batch_size``: completions per micro-batch (default:
-  a rollout split into ``gradient_accumulation_steps`` micro-batches, i.e. one optimizer step per pass);
-  with several mini-batches or epochs the completions are shuffled per epoch;
+  one rollout split into the model's ``gradient_accumulation_steps`` micro-batches, i.e. one optimizer step
+  per pass; see "Gradient accumulation" below); with several mini-batches or epochs the completions are
+  shuffled per epoch;
 * ``reference``: ``auto`` (default: ``adapter`` with a LoRA adapter, else ``model``, and only when the loss's
   ``beta`` is not 0), ``adapter``, ``model`` or ``none``: where the KL term's reference log-probs come from;
 * ``dynamic_sampling`` (false) and ``max_sampling_rounds`` (4), ``overlong_filter`` (false),
@@ -28,6 +29,19 @@ every optimizer step the sampler is brought to the new weights (``Task.after_ste
   the completions do not depend on the number of ranks, and a resumed run samples the same ones).
 
 The loss defaults to ``grpo``; its ``temperature`` defaults to the sampling temperature (``loss_options``).
+
+Gradient accumulation. One rollout (``data.batch_size`` prompts x ``num_generations`` completions per rank) is
+sampled, scored and turned into advantages whole, then cut into micro-batches for ``forward_backward``; the
+optimizer steps once per mini-batch of ``gradient_accumulation_steps`` micro-batches. The losses divide the
+summed micro-batch losses once per step, so a rollout in ``k`` micro-batches trains exactly as in one (up to
+float32 rounding) with ``1/k`` of the activation memory. A rollout must fill whole optimizer steps: the
+recipe check refuses, before anything is built, a rollout that does not divide into ``micro_batch_size``
+micro-batches or whose micro-batches (times ``ppo_epochs``) are not a multiple of
+``train.gradient_accumulation_steps``; and a rollout used up in the middle of an optimizer step (the next one
+would join the same step) is a ConfigError at once. Without ``micro_batch_size`` each rollout is split into the
+model's ``gradient_accumulation_steps`` micro-batches (``train.gradient_accumulation_steps`` under ``twinkle
+train``, which passes it to ``set_optimizer``; from Python, ``set_optimizer(..., gradient_accumulation_steps=N)``),
+and the recipe check refuses a rollout that does not divide into that many.
 """
 
 from __future__ import annotations
@@ -43,7 +57,8 @@ from twinkle_core.model.train_configs import TrainingSetup
 from twinkle_core.sampling import SamplingParams
 from twinkle_core.task import Task
 from twinkle_rl.advantages import ESTIMATORS
-from twinkle_rl.experience import micro_batch_order, select_rows
+from twinkle_rl.checks import integer, optional_integer
+from twinkle_rl.experience import masked_rows, micro_batch_order, select_rows
 from twinkle_rl.one_step_off import InflightRollout, check_one_step_off
 from twinkle_rl.online_report import evaluate_prompts, summarise
 from twinkle_rl.prompts import PromptFeature, collate_prompts, read_prompts
@@ -67,6 +82,52 @@ def _sampling_params(options: dict[str, Any] | None) -> SamplingParams:
     return SamplingParams(**options)
 
 
+def _check_estimator_options(advantage: str, options: dict[str, Any], num_generations: int) -> None:
+    """Run the estimator once on a dummy group, so that an unknown or out-of-range ``advantage_options`` entry
+    fails when the task is built rather than at the first rollout."""
+    try:
+        ESTIMATORS[advantage](torch.zeros(1, max(num_generations, 2), dtype=torch.float64), **options)
+    except TypeError as exc:
+        raise ConfigError(f"task_options.advantage_options {options!r} do not fit advantage {advantage!r}: {exc}") from None
+
+
+def _checked_overlong_penalty(penalty: Any) -> dict[str, int] | None:
+    if penalty is None:
+        return None
+    if not isinstance(penalty, dict) or set(penalty) != {"max_length", "cache_length"}:
+        raise ConfigError(f"task_options.overlong_penalty must be {{max_length: L, cache_length: C}}, got {penalty!r}")
+    max_length = integer("task_options.overlong_penalty.max_length", penalty["max_length"], low=1)
+    cache_length = integer("task_options.overlong_penalty.cache_length", penalty["cache_length"], low=1)
+    if cache_length > max_length:
+        raise ConfigError(f"task_options.overlong_penalty: cache_length ({cache_length}) must be <= max_length "
+                          f"({max_length})")
+    return {"max_length": max_length, "cache_length": cache_length}
+
+
+def split_problems(rollout: int, micro_batch_size: Any, epochs: Any, accumulation: int) -> list[str]:
+    """Why a rollout of ``rollout`` completions does not fill whole optimizer steps of ``accumulation``
+    micro-batches (the recipe check's part of the task); the option values may still be unchecked."""
+    if not isinstance(micro_batch_size, int) or isinstance(micro_batch_size, bool) or micro_batch_size < 1:
+        if micro_batch_size is not None:
+            return []  # the task's constructor names a wrong micro_batch_size
+        if rollout % accumulation == 0:
+            return []  # one rollout, split into the accumulation's micro-batches
+        return [f"train.gradient_accumulation_steps: {accumulation} does not divide a rollout of {rollout} "
+                f"completions (data.batch_size x num_generations) into equal micro-batches: change "
+                f"data.batch_size, num_generations or the accumulation"]
+    if rollout % micro_batch_size:
+        return [f"task_options.micro_batch_size: {micro_batch_size} does not divide a rollout of {rollout} "
+                f"completions (data.batch_size x num_generations)"]
+    per_pass = rollout // micro_batch_size
+    passes = epochs if isinstance(epochs, int) and not isinstance(epochs, bool) and epochs >= 1 else 1
+    if (per_pass * passes) % accumulation:
+        return [f"train.gradient_accumulation_steps: {accumulation} does not divide the {per_pass * passes} "
+                f"micro-batches a rollout makes ({rollout} completions / micro_batch_size {micro_batch_size} x "
+                f"ppo_epochs {passes}): the next rollout would be sampled in the middle of an optimizer step; "
+                f"choose micro_batch_size = {rollout} / (gradient_accumulation_steps x mini-batches per pass)"]
+    return []
+
+
 class OnlineRLTask(Task):
     name: ClassVar[str] = "grpo"
     default_loss: ClassVar[str] = "grpo"
@@ -74,6 +135,18 @@ class OnlineRLTask(Task):
     provides: ClassVar[frozenset[str]] = frozenset({"advantages", "old_logps", "ref_logps"})
     has_eval_loss: ClassVar[bool] = False
     curve_keys: ClassVar[tuple[str, ...]] = ("reward_mean", "accuracy", "completion_length_mean")
+    #: ``num_generations`` when the recipe does not set it
+    default_num_generations: ClassVar[int] = 8
+
+    @classmethod
+    def check_recipe(cls, recipe: Any) -> list[str]:
+        """A rollout must fill whole optimizer steps (see "Gradient accumulation" in the module)."""
+        options = recipe.task_options
+        n = options.get("num_generations", cls.default_num_generations)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            return []  # the task's constructor names it
+        return split_problems(recipe.data.batch_size * n, options.get("micro_batch_size"),
+                              options.get("ppo_epochs", 1), recipe.train.gradient_accumulation_steps)
 
     def __init__(self, *, num_generations: int = 8, sampler: dict[str, Any] | None = None,
                  sampling: dict[str, Any] | None = None, rewards: list[Any] | None = None, on_nan: str = "zero",
@@ -84,16 +157,15 @@ class OnlineRLTask(Task):
                  prompt_over_length: str = "skip", chat_template: bool | None = None,
                  accuracy_reward: str | None = None, adapter_name: str | None = None, seed: int = 0,
                  one_step_off: bool = False) -> None:
-        if num_generations < 1:
-            raise ConfigError(f"task_options.num_generations must be >= 1, got {num_generations}")
+        num_generations = integer("task_options.num_generations", num_generations, low=1)
+        ppo_epochs = integer("task_options.ppo_epochs", ppo_epochs, low=1)
+        micro_batch_size = optional_integer("task_options.micro_batch_size", micro_batch_size, low=1)
         if advantage not in ESTIMATORS:
             raise ConfigError(f"task_options.advantage must be one of {', '.join(sorted(ESTIMATORS))}, "
                               f"got {advantage!r}")
         if advantage in ("grpo", "dr_grpo", "rloo") and num_generations < 2:
             raise ConfigError(f"task_options.advantage={advantage} compares completions of one prompt: "
                               f"num_generations must be >= 2, got {num_generations}")
-        if ppo_epochs < 1:
-            raise ConfigError(f"task_options.ppo_epochs must be >= 1, got {ppo_epochs}")
         if reference not in REFERENCES:
             raise ConfigError(f"task_options.reference must be one of {', '.join(REFERENCES)}, got {reference!r}")
         if not rewards:
@@ -107,14 +179,19 @@ class OnlineRLTask(Task):
         self.reward_set = RewardSet(rewards, on_nan=on_nan)
         self.num_generations, self.advantage = num_generations, advantage
         self.advantage_options = dict(advantage_options or {})
+        if self.advantage_options:
+            _check_estimator_options(advantage, self.advantage_options, num_generations)
         self.ppo_epochs, self.micro_batch_size = ppo_epochs, micro_batch_size
         self.reference = reference
-        self.dynamic = dict(dynamic_sampling=bool(dynamic_sampling), max_sampling_rounds=int(max_sampling_rounds),
-                            overlong_filter=bool(overlong_filter), overlong_penalty=overlong_penalty)
-        self.prompt_options = dict(max_prompt_length=max_prompt_length, over_length=prompt_over_length,
-                                   use_chat_template=chat_template)
+        self.dynamic = dict(dynamic_sampling=bool(dynamic_sampling),
+                            max_sampling_rounds=integer("task_options.max_sampling_rounds", max_sampling_rounds, low=1),
+                            overlong_filter=bool(overlong_filter),
+                            overlong_penalty=_checked_overlong_penalty(overlong_penalty))
+        self.prompt_options = dict(
+            max_prompt_length=optional_integer("task_options.max_prompt_length", max_prompt_length, low=1),
+            over_length=prompt_over_length, use_chat_template=chat_template)
         self.accuracy_reward = accuracy_reward
-        self.adapter_name, self.seed = adapter_name, int(seed)
+        self.adapter_name, self.seed = adapter_name, integer("task_options.seed", seed)
         self.tokenizer: Any = None
         self.engine: RolloutEngine | None = None
         self.provider: ReferenceProvider | None = None
@@ -124,6 +201,10 @@ class OnlineRLTask(Task):
         self.inflight_state: dict[str, Any] | None = None  # from a checkpoint: relaunched at the next rollout
         self.train_features: list[PromptFeature] = []
         self.rollouts = 0
+        #: the most completions a rollout of this run held (a shorter one, the last data batch of an epoch, makes
+        #: as many micro-batches) and the model's optimizer step when the current rollout was drawn
+        self.largest_rollout = 0
+        self.rollout_step: int | None = None
         self.stats = RolloutStats()
 
     # ------------------------------------------------------------------ data
@@ -145,9 +226,11 @@ class OnlineRLTask(Task):
     def collate(self, features: list[Any]) -> dict[str, Any]:
         return collate_prompts(features)
 
-    def micro_batches_per_data_batch(self, batch_size: int) -> int:
+    def micro_batches_per_data_batch(self, batch_size: int, *, gradient_accumulation_steps: int = 1) -> int:
+        # without micro_batch_size a rollout is split into the accumulation's micro-batches ("Gradient accumulation")
         completions = batch_size * self.num_generations
-        return self.ppo_epochs * (completions // self.micro_batch_size if self.micro_batch_size else 1)
+        per_pass = max(completions // self.micro_batch_size, 1) if self.micro_batch_size else gradient_accumulation_steps
+        return self.ppo_epochs * per_pass
 
     def loss_options(self, loss_name: str) -> dict[str, Any]:
         return {"temperature": self.params.temperature or 1.0} if loss_name in POLICY_LOSSES else {}
@@ -221,22 +304,38 @@ class OnlineRLTask(Task):
         return dataset
 
     # ------------------------------------------------------------------ training batches
-    def _micro_batch_size(self, model: Any, rollout_size: int) -> int:
+    def _micro_batches(self, model: Any, rollout_size: int) -> int:
+        """How many micro-batches each pass over a rollout of ``rollout_size`` completions makes."""
+        self.largest_rollout = max(self.largest_rollout, rollout_size)
         if self.micro_batch_size:
-            return int(self.micro_batch_size)
-        ga = TrainingSetup.of(model).gradient_accumulation_steps
-        if rollout_size % ga:
-            raise ConfigError(f"a rollout of {rollout_size} completions does not split into "
-                              f"train.gradient_accumulation_steps={ga} micro-batches; set task_options."
-                              f"micro_batch_size or change data.batch_size / num_generations")
-        return rollout_size // ga
+            if self.largest_rollout % self.micro_batch_size:
+                raise ConfigError(f"task_options.micro_batch_size={self.micro_batch_size} must divide the "
+                                  f"{self.largest_rollout} completions of a rollout (data.batch_size prompts x "
+                                  f"num_generations)")
+            return self.largest_rollout // self.micro_batch_size
+        return TrainingSetup.of(model).gradient_accumulation_steps
+
+    def _check_step_boundary(self, model: Any) -> None:
+        """A new rollout is drawn at an optimizer-step boundary: were the previous one's micro-batches used up
+        while the model is still at the step it was drawn at, both would train in one optimizer step."""
+        step = TrainingSetup.of(model).step
+        if self.rollout_step is not None and step == self.rollout_step:
+            raise ConfigError(
+                f"the {self.name} task's rollout {self.rollouts - 1} was used up in the middle of an optimizer step "
+                f"(the model is still at step {step}, where that rollout was drawn), so the next rollout would join "
+                f"the same step: the optimizer accumulates more micro-batches than a rollout makes "
+                f"({self.ppo_epochs} epoch(s) x micro-batches per pass). With twinkle train set "
+                f"task_options.micro_batch_size to (data.batch_size x num_generations) / "
+                f"train.gradient_accumulation_steps; from Python, set_optimizer(..., gradient_accumulation_steps=N) "
+                f"splits each rollout into N micro-batches")
+        self.rollout_step = step
 
     def _next_rollout(self, model: Any, draw: Any) -> Rollout:
         engine = self._engine(model)
         if not self.one_step_off:
             return engine.run(draw, self.rollouts, self.stats)
         check_one_step_off(engine)
-        if self.inflight is None:  # the first rollout, or the one in flight when the checkpoint was written
+        if self.inflight is None:  # the first rollout, or (an older checkpoint) the prompts of the one in flight
             self.inflight = InflightRollout(engine, self._inflight_features(draw), self.rollouts)
         current, self.inflight = self.inflight, None
         rollout = current.result()
@@ -252,24 +351,29 @@ class OnlineRLTask(Task):
         if self.inflight_state is None:
             return list(draw()["prompts"])
         indices, self.inflight_state = self.inflight_state["prompt_index"], None
+        logger.warning("the checkpoint holds only the prompts of its in-flight rollout (written by an older "
+                       "version): they are sampled again with the checkpoint's weights, so this resume is not exact")
         return [self.train_features[i] for i in indices]
 
     def next_training_batch(self, model: Any, draw: Any) -> dict[str, Any]:
         if not self.queue:
+            self._check_step_boundary(model)
             rollout = self._next_rollout(model, draw)
             size = rollout.batch["input_ids"].shape[0]
-            micro_batch_size = self._micro_batch_size(model, size)
-            self._after_rollout(model, rollout, micro_batch_size)
-            order = micro_batch_order(size, micro_batch_size=micro_batch_size,
-                                      epochs=self.ppo_epochs,
-                                      shuffle=self.ppo_epochs > 1 or self.micro_batch_size not in (None, size),
+            micro_batches = self._micro_batches(model, size)
+            self._after_rollout(model, rollout, max(-(-size // micro_batches), 1))
+            mini_batches = micro_batches // TrainingSetup.of(model).gradient_accumulation_steps
+            order = micro_batch_order(size, micro_batches=micro_batches, epochs=self.ppo_epochs,
+                                      shuffle=self.ppo_epochs > 1 or mini_batches > 1,
                                       seed=self.seed, rollout=self.rollouts)
-            self.queue = [select_rows(rollout.batch, rows) for rows in order]
+            self.queue = [select_rows(rollout.batch, rows) if rows.numel() else masked_rows(rollout.batch)
+                          for rows in order]
             self.rollouts += 1
         return self.prepare_batch(model, self.queue.pop(0))
 
-    def _after_rollout(self, model: Any, rollout: Rollout, micro_batch_size: int) -> None:
-        """Complete a rollout's experience before it is queued (the ppo task adds the critic's advantages)."""
+    def _after_rollout(self, model: Any, rollout: Rollout, chunk_size: int) -> None:
+        """Complete a rollout's experience before it is queued (the ppo task adds the critic's advantages, running
+        the critic ``chunk_size`` completions at a time)."""
 
     def prepare_batch(self, model: Any, batch: dict[str, Any]) -> dict[str, Any]:
         provider = self._reference(model)
@@ -303,7 +407,9 @@ class OnlineRLTask(Task):
 
     # ------------------------------------------------------------------ state and logs
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"rollouts": self.rollouts, "queue": [dict(b) for b in self.queue]}
+        state: dict[str, Any] = {"rollouts": self.rollouts, "queue": [dict(b) for b in self.queue],
+                                 "largest_rollout": self.largest_rollout, "rollout_step": self.rollout_step}
+        # one step off: the sampled in-flight rollout itself (waits for it), so that a resume is exact
         inflight = self.inflight.state() if self.inflight is not None else self.inflight_state
         if inflight is not None:
             state["inflight"] = inflight
@@ -312,7 +418,13 @@ class OnlineRLTask(Task):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rollouts = int(state.get("rollouts", 0))
         self.queue = [dict(b) for b in state.get("queue", [])]
-        self.inflight_state = state.get("inflight")
+        self.largest_rollout = int(state.get("largest_rollout", 0))
+        self.rollout_step = state.get("rollout_step")
+        inflight = state.get("inflight")
+        if inflight is not None and "sampled" in inflight:
+            self.inflight, self.inflight_state = InflightRollout.restored(inflight), None
+        else:  # none, or an older checkpoint's prompts: sampled again at the next rollout
+            self.inflight_state = inflight
 
     def step_metrics(self) -> dict[str, float]:
         stats, self.stats = self.stats, RolloutStats()

@@ -112,6 +112,12 @@ def truncate_pair(feature: PreferenceFeature, max_length: int) -> PreferenceFeat
                    rejected_labels=feature.rejected_labels[:keep_answer])
 
 
+def is_identical(feature: PreferenceFeature) -> bool:
+    """Whether both answers are the same tokens with the same labels: such a pair teaches nothing (its DPO
+    margin is 0 whatever the model), like a row whose two answers are the same text (:mod:`twinkle_rl.rows`)."""
+    return feature.chosen_ids == feature.rejected_ids and feature.chosen_labels == feature.rejected_labels
+
+
 # ---------------------------------------------------------------------- batches
 def collate_pairs(features: list[PreferenceFeature], pad_token_id: int, *, packing: bool = False,
                   pad_to_multiple_of: int | None = None) -> dict[str, Any]:
@@ -161,5 +167,6 @@ __all__ = [
     "PreferenceFeature",
     "collate_pairs",
     "encode_pair",
+    "is_identical",
     "truncate_pair",
 ]

@@ -24,17 +24,35 @@ import torch
 from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
 from twinkle_rl.advantages import gae, whiten
+from twinkle_rl.checks import finite_number, optional_finite_number
 from twinkle_rl.critic import Critic, generalized_advantages
 from twinkle_rl.online_task import OnlineRLTask
-from twinkle_rl.rollout import Rollout
+from twinkle_rl.rollout import Rollout, check_advantages
 
 CRITIC_OPTIONS = ("lr", "weight_decay", "max_grad_norm", "clip_range_value", "model_id")
+
+
+def _checked_critic_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``task_options.critic`` with its numbers checked (``nan`` passes no comparison)."""
+    if "lr" in options:
+        options["lr"] = finite_number("task_options.critic.lr", options["lr"], low=0.0, low_open=True)
+    if "weight_decay" in options:
+        options["weight_decay"] = finite_number("task_options.critic.weight_decay", options["weight_decay"], low=0.0)
+    if "max_grad_norm" in options:
+        options["max_grad_norm"] = optional_finite_number("task_options.critic.max_grad_norm (None: no clipping)",
+                                                          options["max_grad_norm"], low=0.0, low_open=True)
+    if "clip_range_value" in options:
+        options["clip_range_value"] = optional_finite_number(
+            "task_options.critic.clip_range_value (None: no clipping)", options["clip_range_value"], low=0.0,
+            low_open=True)
+    return options
 
 
 class PPOTask(OnlineRLTask):
     name: ClassVar[str] = "ppo"
     default_loss: ClassVar[str] = "ppo"
     provides: ClassVar[frozenset[str]] = OnlineRLTask.provides | {"old_values", "returns"}
+    default_num_generations: ClassVar[int] = 1
 
     def __init__(self, *, num_generations: int = 1, gamma: float = 1.0, lam: float = 0.95,
                  whiten_advantages: bool = True, critic: dict[str, Any] | None = None, **options: Any) -> None:
@@ -46,10 +64,10 @@ class PPOTask(OnlineRLTask):
         unknown = sorted(set(critic or {}) - set(CRITIC_OPTIONS))
         if unknown:
             raise ConfigError(f"task_options.critic got unknown option(s) {unknown}; known: {', '.join(CRITIC_OPTIONS)}")
-        if not 0.0 <= gamma <= 1.0 or not 0.0 <= lam <= 1.0:
-            raise ConfigError(f"task_options.gamma and lam must be in [0, 1], got {gamma}, {lam}")
-        self.gamma, self.lam, self.whiten_advantages = float(gamma), float(lam), bool(whiten_advantages)
-        self.critic_options = dict(critic or {})
+        self.gamma = finite_number("task_options.gamma", gamma, low=0.0, high=1.0)
+        self.lam = finite_number("task_options.lam", lam, low=0.0, high=1.0)
+        self.whiten_advantages = bool(whiten_advantages)
+        self.critic_options = _checked_critic_options(dict(critic or {}))
         self.critic: Critic | None = None
 
     def prepare_model(self, model: Any) -> None:
@@ -63,13 +81,14 @@ class PPOTask(OnlineRLTask):
                               "(twinkle train calls it; a script must too)")
         return self.critic
 
-    def _after_rollout(self, model: Any, rollout: Rollout, micro_batch_size: int) -> None:
+    def _after_rollout(self, model: Any, rollout: Rollout, chunk_size: int) -> None:
         critic = self._require_critic()
         batch = rollout.batch
         size = batch["input_ids"].shape[0]
-        values = torch.cat([critic.values({k: batch[k][i:i + micro_batch_size] for k in ("input_ids", "attention_mask")})
-                            for i in range(0, size, micro_batch_size)])
+        values = torch.cat([critic.values({k: batch[k][i:i + chunk_size] for k in ("input_ids", "attention_mask")})
+                            for i in range(0, size, chunk_size)])
         rewards = rollout.rewards.reshape(-1).to(torch.float32)
+        check_advantages(rewards, rollout.report, "rewards", hint="")  # GAE reads them in float32
         advantages, returns = generalized_advantages(rewards, values, batch["labels"], gamma=self.gamma,
                                                      lam=self.lam, gae=gae)
         mask = batch["labels"][:, 1:] != IGNORE_INDEX
@@ -78,6 +97,8 @@ class PPOTask(OnlineRLTask):
         batch["advantages"] = torch.where(mask, advantages, torch.zeros_like(advantages)).float()
         batch["returns"] = returns.float()
         batch["old_values"] = values
+        check_advantages(batch["advantages"], rollout.report, "GAE advantages", hint="")
+        check_advantages(batch["returns"], rollout.report, "GAE returns", hint="")
 
     def next_training_batch(self, model: Any, draw: Any) -> dict[str, Any]:
         batch = super().next_training_batch(model, draw)

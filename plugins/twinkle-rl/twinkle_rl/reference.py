@@ -7,7 +7,8 @@
 * ``model``: full fine-tuning; a frozen copy of the initial weights (``model.frozen_copy()``), built by
   ``PreferenceTask.prepare_model`` (before training and before a resumed run loads its checkpoint);
 * ``precomputed``: one pass over the data before training, with the model's initial weights (its base
-  under a LoRA adapter), cached under the output directory and reused on resume (:mod:`twinkle_rl.precompute`);
+  under a LoRA adapter), cached under the output directory and reused on resume, after the reference has
+  reproduced the cached values of a sample of pairs (:mod:`twinkle_rl.precompute`);
 * ``none``: no reference (SimPO, ORPO, DPO with ``reference_free``);
 * ``auto`` (default): ``adapter`` when the model has a LoRA adapter, else ``none`` when the model's loss is
   reference-free (``simpo``, ``orpo``, ``reference_free: true``), else ``model``. The trainer decides it in

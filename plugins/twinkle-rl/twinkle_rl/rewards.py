@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Literal
 
 from twinkle_core.errors import ConfigError, TwinkleError
 from twinkle_core.rewards import Reward, RewardFn, load_reward
+from twinkle_rl.checks import finite_number
 
 
 class RewardError(TwinkleError, RuntimeError):
@@ -188,9 +189,7 @@ class NumericAnswer(Reward):
     name: ClassVar[str] = "numeric_answer"
 
     def __init__(self, field: str = "answer", tolerance: float = 1e-6):
-        if not (isinstance(tolerance, numbers.Real) and tolerance >= 0):
-            raise ConfigError(f"numeric_answer: tolerance must be a number >= 0, got {tolerance!r}")
-        self.field, self.tolerance = field, float(tolerance)
+        self.field, self.tolerance = field, finite_number("numeric_answer: tolerance", tolerance, low=0.0)
 
     def __call__(self, prompts: list[str], completions: list[str], **fields: list[Any]) -> list[float]:
         references = _reference_column(self.name, self.field, fields)
@@ -229,9 +228,8 @@ class LengthPenalty(Reward):
             raise ConfigError(f"length_penalty: unit must be 'chars' or 'tokens', got {unit!r}")
         if coefficient is None:
             coefficient = 1.0 / max_length
-        if not (isinstance(coefficient, numbers.Real) and coefficient >= 0):
-            raise ConfigError(f"length_penalty: coefficient must be a number >= 0, got {coefficient!r}")
-        self.max_length, self.coefficient, self.unit = int(max_length), float(coefficient), unit
+        coefficient = finite_number("length_penalty: coefficient", coefficient, low=0.0)
+        self.max_length, self.coefficient, self.unit = int(max_length), coefficient, unit
 
     def __call__(self, prompts: list[str], completions: list[str], **fields: list[Any]) -> list[float]:
         if self.unit == "tokens":
@@ -346,7 +344,18 @@ class RewardSet:
                 else:
                     total[i] += member.weight * score
             per_reward[member.display] = scores
+        self._check_totals(total, per_reward)
         return RewardScores(total=total, per_reward=per_reward, nan_count=nan_count)
+
+    def _check_totals(self, total: list[float], per_reward: dict[str, list[float]]) -> None:
+        """Finite scores can still add up to ``inf`` (``1e308 + 1e308``); the advantages of such a total are
+        meaningless, so it is refused, naming the rewards."""
+        for i, value in enumerate(total):
+            if not math.isfinite(value):
+                parts = ", ".join(f"{m.display} = {per_reward[m.display][i]:g} x weight {m.weight:g}"
+                                  for m in self.members)
+                raise RewardError(f"rewards: the weighted sum for completion {i} overflows to {value} ({parts}); "
+                                  f"scale the rewards down (a reward's scores should be of order 1)")
 
     @staticmethod
     def _check_columns(prompts: Sequence[str], fields: Mapping[str, Sequence[Any]], expected: int) -> None:
@@ -369,6 +378,10 @@ class RewardSet:
             available = ", ".join(sorted(fields)) or "(none)"
             raise RewardError(f"reward {member.display!r} raised {type(exc).__name__}: {exc} "
                               f"(row fields available: {available})") from exc
+        except SystemExit as exc:  # sys.exit() in a grader would end the run silently (exit code 0 even)
+            raise RewardError(f"reward {member.display!r} called sys.exit({exc.code!r}): a reward must return one "
+                              f"score per completion (nan for 'no score') or raise an exception, never exit the "
+                              f"process") from exc
         if hasattr(raw, "tolist"):  # a tensor or an array
             raw = raw.tolist()
         if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence):

@@ -9,6 +9,15 @@ advantages; with ``dynamic_sampling`` they are dropped and more prompts are draw
 as many informative groups as prompts in a data batch, at most ``max_sampling_rounds`` draws; what is
 still missing is filled with dropped groups (their advantages are zero) and counted. The rounds are
 agreed over the ranks, so a lockstep sampler (FSDP2, ZeRO-3) never waits on a rank that has stopped.
+
+Groups without a score: when a reward returns ``nan`` ("no score") for every completion of a prompt, that
+group carries no signal about the prompt, and scoring its ``nan`` as 0 (``on_nan: zero``) would train on the
+other rewards alone. Such a group trains nothing: its advantages are 0, its labels are masked (so it adds no
+KL term and does not dilute the loss's mean), the advantages are estimated over the other groups only, and
+it counts as ``groups_without_score``; each rollout with such groups logs one warning naming the reward.
+The advantages handed to the float32 loss must be finite: rewards so large that an estimator in reward units
+(``dr_grpo``, ``rloo``) overflows float32 stop training with a :class:`~twinkle_rl.rewards.RewardError` naming
+the reward with the largest scores.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from twinkle_core.sampling import Completion, Sampler, SamplingParams, sample_se
 from twinkle_rl.advantages import ESTIMATORS, informative_groups, soft_overlong_penalty
 from twinkle_rl.experience import completion_lengths, experience_batch
 from twinkle_rl.prompts import PromptFeature
-from twinkle_rl.rewards import RewardSet
+from twinkle_rl.rewards import RewardError, RewardSet
 
 if TYPE_CHECKING:
     from twinkle_core.model.base import TwinkleModel
@@ -92,6 +101,32 @@ class DataParallel:
 
 
 @dataclass
+class RewardReport:
+    """What a rollout learnt about its rewards: each one's largest finite magnitude (named when advantages
+    overflow) and how many groups it left without a score (one warning per rollout)."""
+
+    magnitudes: dict[str, float] = field(default_factory=dict)
+    unscored: dict[str, int] = field(default_factory=dict)
+
+    def warn(self, groups: int) -> None:
+        for name, count in self.unscored.items():
+            logger.warning("reward %r returned nan for every completion of %d of the %d prompts of this rollout: "
+                           "those groups train nothing (logged as groups_without_score)", name, count, groups)
+
+
+def check_advantages(advantages: torch.Tensor, report: RewardReport, what: str = "advantages",
+                     hint: str = "; or use advantage: grpo, which normalises each group") -> None:
+    """``advantages`` must be finite in float32, the dtype the loss reads; else a :class:`RewardError` naming the
+    reward with the largest scores (the estimator's result is in reward units)."""
+    if bool(torch.isfinite(advantages.to(torch.float32)).all()):
+        return
+    largest = max(report.magnitudes.items(), key=lambda item: item[1], default=("(none)", math.nan))
+    raise RewardError(f"rewards: the {what} of this rollout are not finite in float32 (the loss's dtype); the "
+                      f"largest scores come from reward {largest[0]!r} (|score| up to {largest[1]:g}). Scale that "
+                      f"reward down (scores of order 1){hint}")
+
+
+@dataclass
 class Rollout:
     """An experience batch of ``S = groups * n`` rows and what the logs report about it."""
 
@@ -99,6 +134,17 @@ class Rollout:
     completions: list[Completion]
     rewards: torch.Tensor  # [groups, n], after overlong shaping
     advantages: torch.Tensor  # [groups, n]
+    report: RewardReport = field(default_factory=RewardReport)
+
+
+@dataclass
+class Scored:
+    """One prompt's group: its completions, their total rewards ``[n]`` and whether every reward scored it."""
+
+    feature: PromptFeature
+    completions: list[Completion]
+    rewards: torch.Tensor
+    scored: bool = True
 
 
 class RolloutEngine:
@@ -126,29 +172,42 @@ class RolloutEngine:
                                f"for {len(features)} prompts x {self.n}")
         return groups
 
-    def _score(self, features: list[PromptFeature], groups: list[list[Completion]],
-               stats: RolloutStats) -> torch.Tensor:
+    def _score(self, features: list[PromptFeature], groups: list[list[Completion]], stats: RolloutStats,
+               report: RewardReport) -> list[Scored]:
         prompts = [f.text for f in features for _ in range(self.n)]
         completions = [c.text for g in groups for c in g]
         keys = sorted({k for f in features for k in f.fields})
         fields = {k: [f.fields.get(k) for f in features for _ in range(self.n)] for k in keys}
         scores = self.rewards.score(prompts, completions, fields)
         stats.add("nan_rewards", scores.nan_count)
+        scored = torch.ones(len(features), dtype=torch.bool)
         for name, values in scores.per_reward.items():
-            finite = [v for v in values if not math.isnan(v)]
-            stats.add(f"reward/{name}", sum(finite))
-            stats.add(f"reward/{name}#count", len(finite))
+            scored &= self._record(name, torch.tensor(values, dtype=torch.float64).view(len(features), self.n),
+                                   stats, report)
         rewards = torch.tensor(scores.total, dtype=torch.float64).view(len(features), self.n)
         if self.overlong_penalty:
             lengths = completion_lengths([c for g in groups for c in g]).to(torch.float64).view_as(rewards)
             rewards = rewards + soft_overlong_penalty(lengths, **self.overlong_penalty)
-        return rewards
+        return [Scored(f, groups[i], rewards[i], bool(scored[i])) for i, f in enumerate(features)]
+
+    @staticmethod
+    def _record(name: str, values: torch.Tensor, stats: RolloutStats, report: RewardReport) -> torch.Tensor:
+        """Log one reward's scores ``[groups, n]``; ``[groups]`` bool: False where it scored no completion."""
+        finite = values[~values.isnan()]
+        stats.add(f"reward/{name}", sum(finite.tolist()))
+        stats.add(f"reward/{name}#count", finite.numel())
+        report.magnitudes[name] = max(report.magnitudes.get(name, 0.0), float(finite.abs().max()) if finite.numel() else 0.0)
+        without = values.isnan().all(dim=1)
+        if bool(without.any()):
+            report.unscored[name] = report.unscored.get(name, 0) + int(without.sum())
+        return ~without
 
     # ------------------------------------------------------------------ one rollout
     def run(self, draw: Callable[[], dict[str, Any]], rollout: int, stats: RolloutStats) -> Rollout:
         started = time.perf_counter()
-        kept: list[tuple[PromptFeature, list[Completion], torch.Tensor]] = []
-        dropped: list[tuple[PromptFeature, list[Completion], torch.Tensor]] = []
+        kept: list[Scored] = []
+        dropped: list[Scored] = []
+        report = RewardReport()
         target = None
         for draw_index in range(self.max_sampling_rounds if self.dynamic_sampling else 1):
             need = target is None or len(kept) < target
@@ -159,28 +218,42 @@ class RolloutEngine:
             groups = self._sample(features, rollout, draw_index)  # an empty list keeps a lockstep sampler matched
             if not features:
                 continue
-            rewards = self._score(features, groups, stats)
-            informative = informative_groups(rewards) if self.dynamic_sampling else torch.ones(len(features), dtype=torch.bool)
-            for i, feature in enumerate(features):
-                (kept if informative[i] else dropped).append((feature, groups[i], rewards[i]))
+            scored = self._score(features, groups, stats, report)
+            informative = torch.ones(len(features), dtype=torch.bool)
+            if self.dynamic_sampling:  # a group without a score is not informative either
+                informative = informative_groups(torch.stack([g.rewards for g in scored]))
+                informative &= torch.tensor([g.scored for g in scored], dtype=torch.bool)
+            for i, group in enumerate(scored):
+                (kept if informative[i] else dropped).append(group)
         stats.add("groups_dropped", max(len(kept) + len(dropped) - (target or 0), 0) if self.dynamic_sampling else 0)
         if len(kept) < (target or 0):
             stats.add("groups_filled_uninformative", target - len(kept))
             kept.extend(dropped[: target - len(kept)])
         kept = kept[:target]
         stats.add("sampler_time_s", time.perf_counter() - started)
-        return self._build(kept, stats)
+        report.warn(len(kept))
+        return self._build(kept, stats, report)
 
-    def _build(self, kept: list[tuple[PromptFeature, list[Completion], torch.Tensor]], stats: RolloutStats) -> Rollout:
-        rewards = torch.stack([r for _, _, r in kept]) if kept else torch.zeros(0, self.n, dtype=torch.float64)
-        if self.estimator is None:  # PPO: advantages come from the critic (GAE), after the rollout
-            advantages = torch.zeros_like(rewards)
-        else:  # only batch-normalising estimators reduce over the ranks; the group ones ignore global_sum
-            advantages = self.estimator(rewards, global_sum=self.dp.sum, **self.estimator_options)
-        completions = [c for _, g, _ in kept for c in g]
-        prompts = [f.prompt_ids for f, _, _ in kept for _ in range(self.n)]
+    def _advantages(self, rewards: torch.Tensor, scored: torch.Tensor, report: RewardReport) -> torch.Tensor:
+        """The estimator's advantages over the scored groups (0 for the others, and for PPO: its critic's GAE
+        replaces them after the rollout)."""
+        advantages = torch.zeros_like(rewards)
+        if self.estimator is not None:  # only batch-normalising estimators reduce over the ranks
+            advantages[scored] = self.estimator(rewards[scored], global_sum=self.dp.sum, **self.estimator_options)
+            check_advantages(advantages, report)
+        return advantages
+
+    def _build(self, kept: list[Scored], stats: RolloutStats, report: RewardReport) -> Rollout:
+        rewards = torch.stack([g.rewards for g in kept]) if kept else torch.zeros(0, self.n, dtype=torch.float64)
+        scored = torch.tensor([g.scored for g in kept], dtype=torch.bool)
+        advantages = self._advantages(rewards, scored, report)
+        completions = [c for g in kept for c in g.completions]
+        prompts = [g.feature.prompt_ids for g in kept for _ in range(self.n)]
         batch = experience_batch(prompts, completions, pad_token_id=self.pad_token_id)
         batch["advantages"] = advantages.reshape(-1).to(torch.float32)
+        without_score = (~scored).repeat_interleave(self.n)
+        batch["labels"][without_score] = IGNORE_INDEX  # no score for the prompt: the group trains nothing
+        stats.add("groups_without_score", float((~scored).sum()))
         truncated = torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.bool)
         if self.overlong_filter and truncated.any():
             batch["labels"][truncated] = IGNORE_INDEX  # DAPO overlong filtering: a cut answer teaches nothing either way
@@ -193,7 +266,7 @@ class RolloutEngine:
         stats.add("empty_completions", float((lengths == 0).sum()))
         if len(completions):
             stats.max("completion_length_max", float(lengths.max()))
-        return Rollout(batch=batch, completions=completions, rewards=rewards, advantages=advantages)
+        return Rollout(batch=batch, completions=completions, rewards=rewards, advantages=advantages, report=report)
 
 
-__all__ = ["DataParallel", "Rollout", "RolloutEngine", "RolloutStats"]
+__all__ = ["DataParallel", "RewardReport", "Rollout", "RolloutEngine", "RolloutStats", "Scored", "check_advantages"]

@@ -9,7 +9,10 @@ batching by feature never split a pair; ``data.batch_size`` counts pairs.
 * ``reference``: ``auto`` (default), ``adapter``, ``model``, ``precomputed`` or ``none``: where the reference
   log-probabilities come from (see :mod:`twinkle_rl.reference`);
 * ``over_length``: a pair longer than ``max_length``: ``truncate`` (default; the same cuts on both
-  sequences: the shared prompt from its start, then both answers from their ends) or ``skip``;
+  sequences: the shared prompt from its start, then both answers from their ends) or ``skip``. A pair whose
+  two answers are the same tokens after the cut (they differed only beyond it) teaches nothing: it is
+  skipped with a warning and counted with the pairs whose answers are the same text
+  (``stats["skipped_identical"]``);
 * ``max_length``, ``packing``, ``pad_to_multiple_of``: defaults for the data options of the same name;
 * ``adapter_name``: the adapter (tenant) this task trains, for a model with several adapters (a
   ``MultiLoraTransformersModel`` with one task per tenant): the ``adapter`` and ``precomputed`` references
@@ -31,8 +34,16 @@ from twinkle_core.data.template import Template
 from twinkle_core.errors import ConfigError, DataFormatError
 from twinkle_core.model.train_configs import TrainingSetup
 from twinkle_core.task import Task
+from twinkle_rl.checks import optional_integer
 from twinkle_rl.layout import PREFERENCE_PAIRS
-from twinkle_rl.pairs import OVER_LENGTH, PreferenceFeature, collate_pairs, encode_pair, truncate_pair
+from twinkle_rl.pairs import (
+    OVER_LENGTH,
+    PreferenceFeature,
+    collate_pairs,
+    encode_pair,
+    is_identical,
+    truncate_pair,
+)
 from twinkle_rl.precompute import precompute_reference
 from twinkle_rl.reference import (
     REFERENCES,
@@ -68,6 +79,8 @@ class PreferenceTask(Task):
         if over_length not in OVER_LENGTH:
             raise ConfigError(f"task_options.over_length must be one of {', '.join(OVER_LENGTH)}, "
                               f"got {over_length!r}")
+        max_length = optional_integer("task_options.max_length", max_length, low=2)
+        pad_to_multiple_of = optional_integer("task_options.pad_to_multiple_of", pad_to_multiple_of, low=1)
         super().__init__(reference=reference, over_length=over_length, max_length=max_length, packing=packing,
                          pad_to_multiple_of=pad_to_multiple_of, adapter_name=adapter_name)
         self.reference = reference
@@ -76,7 +89,8 @@ class PreferenceTask(Task):
                                                    else make_reference(reference, adapter_name=adapter_name))
         self.pad_token_id: int | None = None
         self.packing = bool(packing)
-        #: counts of the last load_dataset: pairs kept, truncated, skipped for their length
+        #: counts of the last load_dataset: pairs kept, truncated, skipped for their length, skipped because both
+        #: answers are the same (text, or tokens after truncation)
         self.stats: dict[str, int] = {}
 
     # ------------------------------------------------------------------ data
@@ -89,8 +103,8 @@ class PreferenceTask(Task):
         over_length = over_length if over_length is not None else self.options["over_length"]
         if over_length not in OVER_LENGTH:
             raise ConfigError(f"over_length must be one of {', '.join(OVER_LENGTH)}, got {over_length!r}")
-        if max_length is not None and max_length < 2:
-            raise ConfigError(f"max_length must be at least 2 to hold a prompt and an answer, got {max_length}")
+        # at least 2 tokens: a prompt and an answer
+        max_length = optional_integer("data.max_length (the preference task)", max_length, low=2)
         if not getattr(tokenizer, "chat_template", None):
             raise _no_chat_template(tokenizer)
         template = Template(tokenizer, mode="chat")  # no max_length: pairs are cut together below
@@ -98,8 +112,8 @@ class PreferenceTask(Task):
         self.pad_token_id = template.pad_token_id
         self.packing = bool(packing if packing is not None else self.options["packing"])
 
-        source, rows, _ = read_preference_rows(path)
-        features, truncated, skipped = [], 0, 0
+        source, rows, identical = read_preference_rows(path)
+        features, truncated, skipped, same_tokens = [], 0, 0, 0
         for row in rows:
             try:
                 feature = encode_pair(template, row)
@@ -111,15 +125,25 @@ class PreferenceTask(Task):
                     continue
                 feature = truncate_pair(feature, max_length)
                 truncated += 1
+            if is_identical(feature):  # the answers differ only after the cut (or render to the same tokens)
+                same_tokens += 1
+                continue
             features.append(feature)
         if truncated or skipped:
             logger.warning("%s: %d of %d pairs are longer than max_length=%s: %d truncated (the same cuts on both "
                            "answers), %d skipped (over_length=%s)", source, truncated + skipped, len(rows),
                            max_length, truncated, skipped, over_length)
+        if same_tokens:
+            logger.warning("%s: skipped %d pairs whose chosen and rejected answers are the same tokens after "
+                           "max_length=%s truncation (they differ only beyond it); raise data.max_length to keep "
+                           "them", source, same_tokens, max_length)
         if not features:
-            raise DataFormatError(source, None, f"every pair is longer than max_length={max_length} and "
-                                                f"over_length=skip drops them all; raise data.max_length")
-        self.stats = {"pairs": len(features), "truncated": truncated, "skipped_over_length": skipped}
+            reason = (f"every pair is longer than max_length={max_length} and over_length=skip drops them all"
+                      if skipped else f"after max_length={max_length} truncation every pair's answers are the same "
+                                      f"tokens")
+            raise DataFormatError(source, None, f"no usable pair: {reason}; raise data.max_length")
+        self.stats = {"pairs": len(features), "truncated": truncated, "skipped_over_length": skipped,
+                      "skipped_identical": identical + same_tokens}
         return features
 
     def collate(self, features: list[Any]) -> dict[str, Any]:

@@ -19,12 +19,15 @@ without images is a text-only sample. Images belong to user / system turns: the 
 produce one.
 
 Every row is checked before any training (the last message must be the assistant's, placeholders match the
-images, every image exists and decodes); all problems are collected and raised together as one
-:class:`VLMDataError` naming file, line and reason of each (the first :data:`MAX_REPORTED`).
+images, every image exists, lies under ``image_root`` when one is set, has at most ``max_image_pixels`` pixels by
+its header, has a size the model's image processor takes, and decodes: :mod:`twinkle_vlm.images`); all problems
+are collected and raised together as one :class:`VLMDataError` naming file, line and reason of each (the first
+:data:`MAX_REPORTED`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -34,7 +37,8 @@ from typing import Any
 from twinkle_core.data.formats import ROLES, RowError, normalize_conversation
 from twinkle_core.data.mixing import Record, is_data_spec, load_spec, parse_sources
 from twinkle_core.errors import DataFormatError
-from twinkle_vlm.images import image_problem
+from twinkle_vlm.images import check_image_root, check_max_image_pixels, image_problem
+from twinkle_vlm.processor import image_size_refusal
 
 #: the placeholder of the LLaMA-Factory / ms-swift format
 IMAGE_PLACEHOLDER = "<image>"
@@ -161,9 +165,18 @@ def _records(spec: Any, columns: Any, seed: int) -> list[tuple[Record, str]]:
     return [(Record("<rows>", i + 1, row), os.getcwd()) for i, row in enumerate(spec)]
 
 
-def load_samples(spec: Any, *, columns: Any = None, seed: int = 0) -> list[VLMSample]:
+def load_samples(spec: Any, *, columns: Any = None, seed: int = 0, image_root: Any = None,
+                 max_image_pixels: int | None = None, image_processor: Any = None) -> list[VLMSample]:
     """Read and validate every row of ``spec`` (a data spec or a list of rows); raise :class:`VLMDataError`
-    listing every problem found (each image is checked once, however often mixing repeats its row)."""
+    listing every problem found (each image is checked once, however often mixing repeats its row).
+
+    ``image_root``: refuse images that do not resolve inside this directory (default: no confinement);
+    ``max_image_pixels``: refuse images whose header declares more pixels (default
+    :data:`~twinkle_vlm.images.DEFAULT_MAX_IMAGE_PIXELS`); ``image_processor``: refuse sizes it would refuse
+    (:func:`~twinkle_vlm.processor.image_size_refusal`)."""
+    root = check_image_root(image_root)
+    limit = check_max_image_pixels(max_image_pixels)
+    refusal = functools.partial(image_size_refusal, image_processor) if image_processor is not None else None
     problems: list[tuple[str, int | None, str]] = []
     samples: list[VLMSample] = []
     parsed: dict[int, VLMSample | None] = {}
@@ -181,7 +194,7 @@ def load_samples(spec: Any, *, columns: Any = None, seed: int = 0) -> list[VLMSa
             bad = False
             for path in sample.images:
                 if path not in checked:
-                    checked[path] = image_problem(path)
+                    checked[path] = image_problem(path, root=root, max_image_pixels=limit, size_refusal=refusal)
                 if checked[path] is not None:
                     problems.append((record.source, record.line, checked[path]))
                     bad = True

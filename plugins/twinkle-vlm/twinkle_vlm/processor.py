@@ -10,6 +10,9 @@
   multiple of the patch grid whose area lies within the budget). Processors with a fixed input size (InternVL,
   Gemma 3) have no such budget: these options are refused for them, with the option that does apply.
 
+Image sizes: :func:`image_size_refusal` says, from an image's width and height alone, whether the processor would
+refuse it (the data check runs it on every image's header before training, see :mod:`twinkle_vlm.images`).
+
 Custom code: every load passes the resolved switch (:func:`twinkle_core.sources.resolve.trust_remote_code`:
 ``trust_remote_code=`` of :func:`load_processor`, else ``TWINKLE_TRUST_REMOTE_CODE``) to transformers explicitly,
 so transformers never asks "Do you wish to run the custom code? [y/N]" on stdin. With the switch off, a directory
@@ -110,6 +113,26 @@ def apply_pixel_limits(image_processor: Any, min_pixels: int | None, max_pixels:
     size.shortest_edge, size.longest_edge = low, high
 
 
+def image_size_refusal(image_processor: Any, width: int, height: int) -> str | None:
+    """Why ``image_processor`` would refuse a ``width`` x ``height`` image, or None; no pixel is needed.
+
+    The processor answers itself: ``get_number_of_image_patches(height, width)`` (transformers' method for planning
+    an image's tokens without its pixels, which vLLM uses) runs the resize rule the processor applies to pixels.
+    For the Qwen2-VL family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) that is ``smart_resize``, which in
+    transformers 5.25 refuses an aspect ratio (long side / short side) over 200 with a ``ValueError``; the rule
+    follows whatever version is installed. InternVL's tiling takes any size, and processors without the method
+    (Gemma 3) resize every image to their fixed input size."""
+    plan = getattr(image_processor, "get_number_of_image_patches", None)
+    if plan is None:
+        return None
+    try:
+        plan(height, width)
+    except ValueError as exc:
+        return (f"the model's image processor ({type(image_processor).__name__}) cannot take a {width}x{height} "
+                f"image: {exc}; crop or pad the image to a less extreme shape")
+    return None
+
+
 def load_processor(tokenizer: Any, options: Mapping[str, Any], *, trust_remote_code: bool | None = None) -> Any:
     """The processor the ``vlm`` task renders and encodes with (see the module doc for ``options``).
 
@@ -153,4 +176,4 @@ def load_processor(tokenizer: Any, options: Mapping[str, Any], *, trust_remote_c
     return processor
 
 
-__all__ = ["CUSTOM_CODE_FILES", "apply_pixel_limits", "load_processor", "refuse_custom_code"]
+__all__ = ["CUSTOM_CODE_FILES", "apply_pixel_limits", "image_size_refusal", "load_processor", "refuse_custom_code"]

@@ -15,7 +15,11 @@ sample is dropped with a warning (a model cannot see part of an image). ``trunca
 
 Task options: ``processor``, ``image_processor``, ``min_pixels``, ``max_pixels`` (the processor),
 ``train_vision`` / ``train_projector`` / ``train_language`` (what trains, read by the model side),
-``pad_to_multiple_of``.
+``pad_to_multiple_of``, and for the image files (:mod:`twinkle_vlm.images`): ``max_image_pixels`` (images whose
+header declares more pixels are refused before decoding; default PIL's own limit, 89,478,485) and ``image_root``
+(every image must resolve inside this directory; default: none, any readable path). The data check before
+training also refuses image sizes the model's image processor refuses (Qwen2-VL family: aspect ratio over 200),
+from the headers alone, so a bad image is reported as ``file:line`` instead of failing inside the processor.
 """
 
 from __future__ import annotations
@@ -29,7 +33,13 @@ from twinkle_core.errors import ConfigError, DataFormatError
 from twinkle_core.task import Task
 from twinkle_vlm.collate import VLMFeature, collate_vlm
 from twinkle_vlm.data import VLMSample, load_samples
-from twinkle_vlm.images import open_image
+from twinkle_vlm.images import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    ImageFileError,
+    check_image_root,
+    check_max_image_pixels,
+    open_image,
+)
 from twinkle_vlm.packing import find_rope_index, multimodal_position_ids, pack_vlm_features
 from twinkle_vlm.parts import TrainablePartsMixin
 from twinkle_vlm.processor import load_processor
@@ -80,11 +90,15 @@ def refuse_unsupported_packing(features: list[VLMFeature]) -> None:
 class VLMEncoder:
     """Rows -> :class:`VLMFeature` with one processor (see the module doc)."""
 
-    def __init__(self, processor: Any, *, max_length: int | None = None, truncation: str = "right") -> None:
+    def __init__(self, processor: Any, *, max_length: int | None = None, truncation: str = "right",
+                 image_root: Any = None, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
         if truncation not in ("right", "error"):
             raise ConfigError(f"truncation for the vlm task must be 'right' or 'error', got {truncation!r} (cutting "
                               "the start would cut images and the prompt)")
         self.processor, self.max_length, self.truncation = processor, max_length, truncation
+        #: every image is opened through :func:`~twinkle_vlm.images.open_image` with these (checked again at
+        #: encoding: the files may have changed since the data check)
+        self.image_root, self.max_image_pixels = check_image_root(image_root), check_max_image_pixels(max_image_pixels)
         tokenizer = processor.tokenizer
         vocab = tokenizer.get_vocab()
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -116,12 +130,22 @@ class VLMEncoder:
             spans.append((len(prompt), len(turn)))
         return full, spans
 
-    def _process(self, text: str, images: list[Any]) -> dict[str, Any]:
+    def open_images(self, paths: list[str]) -> list[Any]:
+        """The images at ``paths`` decoded (a :class:`RowError` naming the file when one cannot be used)."""
+        try:
+            return [open_image(p, root=self.image_root, max_image_pixels=self.max_image_pixels) for p in paths]
+        except ImageFileError as exc:
+            raise RowError(exc.reason) from None
+
+    def _process(self, text: str, images: list[Any], paths: list[str]) -> dict[str, Any]:
         if not images:  # text alone is only tokenised: the tokenizer directly is several times faster
             import torch
 
             return {"input_ids": torch.tensor([self.processor.tokenizer(text, add_special_tokens=False)["input_ids"]])}
-        return dict(self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False))
+        try:
+            return dict(self.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False))
+        except ValueError as exc:  # what transformers processors raise for inputs they refuse
+            raise RowError(f"the processor refused this row's text or its image(s) {', '.join(paths)}: {exc}") from None
 
     def encode(self, sample: VLMSample) -> VLMFeature | None:
         """The feature of ``sample``, or None when ``max_length`` would cut an image (see the module doc)."""
@@ -142,8 +166,9 @@ class VLMEncoder:
             if count > len(pending):
                 raise RowError(f"the text holds {self.marker!r}, the image marker of this model, where the row has no "
                                "image: remove it from the text (images are image parts or <image> placeholders)")
-            images, pending = [open_image(p) for p in pending[:count]], pending[count:]
-            out = self._process(piece, images)
+            paths, pending = pending[:count], pending[count:]
+            images = self.open_images(paths)
+            out = self._process(piece, images, paths)
             ids = [int(t) for t in out["input_ids"][0]]
             for key, value in out.items():
                 if key in _TEXT_KEYS:
@@ -207,6 +232,25 @@ class VLMTask(TrainablePartsMixin, Task):
     def _option(self, value: Any, key: str, default: Any) -> Any:
         return value if value is not None else self.options.get(key, default)
 
+    @classmethod
+    def check_recipe(cls, recipe: Any) -> list[str]:
+        """``task_options.max_image_pixels`` and ``image_root`` (their types; the directory's existence is checked
+        where the data is read)."""
+        problems = []
+        try:
+            check_max_image_pixels(recipe.task_options.get("max_image_pixels"))
+        except ConfigError as exc:
+            problems.append(f"task_options.max_image_pixels: {exc}")
+        root = recipe.task_options.get("image_root")
+        if root is not None and (not isinstance(root, str) or not root):
+            problems.append(f"task_options.image_root: must be a directory path, got {root!r}")
+        return problems
+
+    def image_options(self) -> dict[str, Any]:
+        """``image_root`` and ``max_image_pixels`` from the task options (see :mod:`twinkle_vlm.images`)."""
+        return {"image_root": self.options.get("image_root"),
+                "max_image_pixels": check_max_image_pixels(self.options.get("max_image_pixels"))}
+
     def processor_for(self, tokenizer: Any, trust_remote_code: bool | None = None) -> Any:
         """The processor (loaded once per tokenizer, see :func:`~twinkle_vlm.processor.load_processor`);
         ``trust_remote_code``: the recipe's ``model.trust_remote_code`` (``None``: the environment's switch)."""
@@ -227,9 +271,11 @@ class VLMTask(TrainablePartsMixin, Task):
         packing = bool(self._option(packing, "packing", False))
         if packing and max_length is None:
             raise ConfigError("packing needs max_length (the length of a packed row)")
-        samples = load_samples(path, columns=self._option(columns, "columns", None), seed=int(seed or 0))
-        self.encoder = VLMEncoder(self.processor_for(tokenizer, trust_remote_code), max_length=max_length,
-                                  truncation=self._option(truncation, "truncation", "right"))
+        processor = self.processor_for(tokenizer, trust_remote_code)  # the data check asks it which sizes it takes
+        samples = load_samples(path, columns=self._option(columns, "columns", None), seed=int(seed or 0),
+                               image_processor=processor.image_processor, **self.image_options())
+        self.encoder = VLMEncoder(processor, max_length=max_length,
+                                  truncation=self._option(truncation, "truncation", "right"), **self.image_options())
         features = []
         for sample in samples:
             try:
@@ -280,7 +326,7 @@ class VLMTask(TrainablePartsMixin, Task):
         if not is_features:
             dataset = self.load_dataset(dataset, tokenizer, packing=False)
         if self.encoder is None:
-            self.encoder = VLMEncoder(self.processor_for(tokenizer))
+            self.encoder = VLMEncoder(self.processor_for(tokenizer), **self.image_options())
         return answer_accuracy(model, dataset, self.encoder, max_new_tokens=max_new_tokens, limit=limit,
                                batch_size=batch_size)
 

@@ -108,19 +108,25 @@ def interact(session: ChatSession, read: Callable[[str], str] = input, write: Ca
 
 def chat(args: argparse.Namespace) -> int:
     from twinkle_backend_hf.commands.checkpoint_loading import (
+        checked_device,
         generation_kwargs,
         load_model,
         load_tokenizer,
         resolve_checkpoint,
+        tokenizer_source,
         verify_checkpoint_files,
     )
 
     # wrong options and a wrong path fail before any weights load
     generation_kwargs(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                       stops=[], pad_id=0)
-    ckpt = resolve_checkpoint(args.checkpoint, args.base)
+    checked_device(args.device)
+    ckpt = resolve_checkpoint(args.checkpoint, args.base, trust_remote_code=args.trust_remote_code)
     verify_checkpoint_files(ckpt)  # a damaged file is refused before any of them is loaded
     tokenizer = load_tokenizer(ckpt)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"the tokenizer in {tokenizer_source(ckpt)} has no chat template: save one with it "
+                          f"('chat_template' in tokenizer_config.json, or chat_template.jinja) to chat")
     session = ChatSession(load_model(ckpt, dtype=args.dtype, device=args.device), tokenizer, system=args.system,
                           temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)
     if args.prompt is not None:

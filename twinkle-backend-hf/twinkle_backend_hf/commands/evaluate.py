@@ -68,6 +68,8 @@ def read_examples(path: str, limit: int | None = None) -> list[dict[str, Any]]:
 
     if not Path(path).expanduser().exists():
         raise ConfigError(f"data {path!r} does not exist; pass a JSONL file of chat ('messages') or text rows")
+    if Path(path).expanduser().is_dir():
+        raise ConfigError(f"data {path!r} is a directory; pass a JSONL file of chat ('messages') or text rows")
     rows = load_rows(str(Path(path).expanduser()), validate=None)
     if limit is not None:
         rows = rows[:limit]
@@ -245,20 +247,25 @@ def _json_safe(value: Any) -> Any:
 
 def evaluate(args: argparse.Namespace) -> int:
     from twinkle_backend_hf.commands.checkpoint_loading import (
+        checked_device,
         load_model,
         load_tokenizer,
         resolve_checkpoint,
+        tokenizer_source,
         verify_checkpoint_files,
     )
 
     tasks = checked_tasks(args)
-    ckpt = resolve_checkpoint(args.checkpoint, args.base)
+    checked_device(args.device)
+    ckpt = resolve_checkpoint(args.checkpoint, args.base, trust_remote_code=args.trust_remote_code)
     output = checked_output(args, ckpt)
     verify_checkpoint_files(ckpt)  # a damaged file is refused before any of them is loaded
     examples = read_examples(args.data, args.limit) if args.data else []
     tokenizer = load_tokenizer(ckpt)
     if any("messages" in e for e in examples) and not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("the data holds chats and the checkpoint's tokenizer has no chat template")
+        raise ConfigError(f"{args.data} holds chats and the tokenizer in {tokenizer_source(ckpt)} has no chat "
+                          f"template: save one with it ('chat_template' in tokenizer_config.json, or "
+                          f"chat_template.jinja), or evaluate text rows ({{\"text\": ...}})")
     model = load_model(ckpt, dtype=args.dtype, device=args.device)
     results: dict[str, Any] = {"checkpoint": str(ckpt.path), "data": args.data, "metrics": {}}
     if examples:

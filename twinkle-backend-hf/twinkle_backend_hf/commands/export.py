@@ -152,7 +152,7 @@ def export_command(args: argparse.Namespace) -> int:
         if not token:
             raise ConfigError("--push-to-hub needs a Hugging Face token: set HF_TOKEN (export HF_TOKEN=hf_...) or "
                               "log in once with 'hf auth login'")
-    ckpt = resolve_checkpoint(args.checkpoint, args.base)
+    ckpt = resolve_checkpoint(args.checkpoint, args.base, trust_remote_code=args.trust_remote_code)
     if args.merge_lora and ckpt.kind == "full":
         print(f"twinkle: {ckpt.path} is a full model (no adapter): --merge-lora has nothing to merge", file=sys.stderr)
     if ckpt.kind == "adapter" and not args.merge_lora:

@@ -1,5 +1,6 @@
-"""Semantic checks on a recipe whose types are already right: value ranges, required keys, the mesh, and the
-rules of the recipe's task (:meth:`twinkle_core.task.Task.check_recipe`).
+"""Semantic checks on a recipe whose types are already right: value ranges, required keys, the mesh, the rules of
+the recipe's task (:meth:`twinkle_core.task.Task.check_recipe`) and a local model directory the model class cannot
+load (:func:`model_directory_problems`).
 
 Also folds the spec's mesh size keys (``tp_size: 2``) into ``mesh`` before conversion.
 """
@@ -10,6 +11,7 @@ import difflib
 import functools
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from twinkle_core.errors import ConfigError, TwinkleError
@@ -129,6 +131,49 @@ def task_problems(recipe: Recipe) -> list[str]:
     return list(task_cls.check_recipe(recipe))
 
 
+def local_model_directory(model_id: str | None) -> Path | None:
+    """The directory ``model.model_id`` names when it is an existing local one (a path or ``local://``), else None."""
+    if not model_id:
+        return None
+    from twinkle_core.sources.base import split_uri
+
+    scheme, raw = split_uri(model_id)
+    path = Path(raw).expanduser() if scheme == "local" and raw else None
+    return path if path is not None and path.is_dir() else None
+
+
+def model_directory_problems(recipe: Recipe) -> list[str]:
+    """What is wrong with a local ``model.model_id`` directory, found before anything is built: what resolving it
+    refuses (weights without ``config.json``, the model one level down), then, when the model is built from the
+    directory's own config (no ``model.config``) and the model class can check one, what it finds in the
+    ``config.json`` (damaged, no ``model_type``, a ``model_type`` its library does not know). The class's
+    ``check_model_directory(path, **model.options)`` reads files only; a directory without ``config.json`` that
+    resolution accepts (an empty one, another backend's format) is left to the model class when it is built."""
+    path = local_model_directory(recipe.model.model_id)
+    if path is None:
+        return []
+    from twinkle_core.sources.local import check_resolvable
+
+    try:
+        check_resolvable(path)
+    except TwinkleError as exc:
+        return [f"model.model_id: {exc}"]
+    if recipe.model.config is not None or not (path / "config.json").is_file():
+        return []
+    from twinkle_core.plugins import get_plugins
+
+    try:
+        model_cls = get_plugins().load("model", recipe.model.class_name)
+    except TwinkleError as exc:  # validate_plugin_names reports it with its key
+        logger.debug("the recipe's model class %r cannot check its directory: %s", recipe.model.class_name, exc)
+        return []
+    try:
+        model_cls.check_model_directory(str(path), **recipe.model.options)
+    except TwinkleError as exc:
+        return [f"model.model_id: {exc}"]
+    return []
+
+
 def _apply_rules(rules: list[_Rule], recipe: Recipe, errors: ErrorList) -> None:
     for path, wrong, message in rules:
         value = _at(recipe, path)
@@ -137,9 +182,11 @@ def _apply_rules(rules: list[_Rule], recipe: Recipe, errors: ErrorList) -> None:
 
 
 def check_recipe(recipe: Recipe, errors: ErrorList) -> None:
-    """Add to ``errors`` every semantic problem of ``recipe`` (whose types are right): the general rules, the
-    task's (:func:`task_problems`), ``model.options`` keys the recipe sets itself, and the mesh."""
+    """Add to ``errors`` every semantic problem of ``recipe`` (whose types are right): the general rules, a local model
+    directory (:func:`model_directory_problems`), the task's (:func:`task_problems`), ``model.options`` keys the recipe
+    sets itself, and the mesh."""
     _apply_rules(_MODEL_AND_DATA_RULES, recipe, errors)
+    errors.extend(model_directory_problems(recipe))
     if recipe.task:
         errors.extend(task_problems(recipe))
     _apply_rules(_TRAINING_RULES, recipe, errors)

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from twinkle_core.constants import IGNORE_INDEX
-from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import LossContext, require_whole_sequences
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 from twinkle_rl import layout
+from twinkle_rl.checks import finite_number
 from twinkle_rl.losses.scoring import TokenScoringLoss
 
 
@@ -50,10 +50,9 @@ class PreferenceLoss(TokenScoringLoss):
 
     def __init__(self, *, sft_weight: float = 0.0, ignore_index: int = IGNORE_INDEX,
                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        if sft_weight < 0:
-            raise ConfigError(f"sft_weight must be >= 0, got {sft_weight}")
+        sft_weight = finite_number(f"{self.name} loss: sft_weight", sft_weight, low=0.0)
         super().__init__(ignore_index=ignore_index, chunk_size=chunk_size)
-        self.sft_weight = float(sft_weight)
+        self.sft_weight = sft_weight
 
     def pair_logps(self, outputs: dict[str, Any], inputs: dict[str, Any],
                    context: LossContext | None = None) -> PairLogps:

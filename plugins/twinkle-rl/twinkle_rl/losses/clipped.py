@@ -28,10 +28,10 @@ import torch
 
 from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.data.collate import is_packed_batch
-from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import LossContext, require_whole_sequences
 from twinkle_core.loss.helpers import align_to_shifted, require, scalar
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, tempered_token_logprobs
+from twinkle_rl.checks import finite_number
 from twinkle_rl.losses.scoring import TokenScoringLoss
 
 
@@ -86,17 +86,13 @@ class PolicyLoss(TokenScoringLoss):
 
     def __init__(self, *, epsilon_low: float, epsilon_high: float, beta: float = 0.0, temperature: float = 1.0,
                  ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        if epsilon_low < 0 or epsilon_high < 0:
-            raise ConfigError(f"clip ranges must be non-negative, got {epsilon_low}, {epsilon_high}")
-        if beta < 0:
-            raise ConfigError(f"beta must be non-negative, got {beta}")
-        if not 0 < temperature < float("inf"):
-            raise ConfigError(f"temperature must be positive and finite, got {temperature}")
+        where = f"{self.name} loss"
+        self.epsilon_low = finite_number(f"{where}: the lower clip range (epsilon / epsilon_low)", epsilon_low, low=0.0)
+        self.epsilon_high = finite_number(f"{where}: the upper clip range (epsilon / epsilon_high)", epsilon_high,
+                                          low=0.0)
+        self.beta = finite_number(f"{where}: beta", beta, low=0.0)
+        self.temperature = finite_number(f"{where}: temperature", temperature, low=0.0, low_open=True)
         super().__init__(ignore_index=ignore_index, chunk_size=chunk_size)
-        self.epsilon_low = float(epsilon_low)
-        self.epsilon_high = float(epsilon_high)
-        self.beta = float(beta)
-        self.temperature = float(temperature)
 
     def policy_tokens(self, outputs: dict[str, Any], inputs: dict[str, Any],
                       context: LossContext | None = None) -> PolicyTokens:

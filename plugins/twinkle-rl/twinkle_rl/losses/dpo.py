@@ -11,6 +11,7 @@ from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import LossContext, LossOutput
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE
+from twinkle_rl.checks import finite_number
 from twinkle_rl.losses.base import PairLogps, PreferenceLoss, pair_metrics, smoothed_sigmoid_loss
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
@@ -48,8 +49,8 @@ class DPOLoss(PreferenceLoss):
         super().__init__(sft_weight=sft_weight, ignore_index=ignore_index, chunk_size=chunk_size)
         if loss_type not in LOSS_TYPES:
             raise ConfigError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-        if beta <= 0:
-            raise ConfigError(f"beta must be positive, got {beta}")
+        beta = finite_number("dpo loss: beta", beta, low=0.0, low_open=True)
+        label_smoothing = finite_number("dpo loss: label_smoothing", label_smoothing)
         if loss_type == "sigmoid" and not 0.0 <= label_smoothing <= 0.5:
             raise ConfigError(f"label_smoothing must be in [0, 0.5] for loss_type 'sigmoid', got {label_smoothing}")
         if loss_type == "robust" and not 0.0 <= label_smoothing < 0.5:

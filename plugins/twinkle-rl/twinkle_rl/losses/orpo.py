@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from twinkle_core.constants import IGNORE_INDEX
-from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import LossContext, LossOutput
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE
+from twinkle_rl.checks import finite_number
 from twinkle_rl.losses.base import PreferenceLoss, mean, pair_metrics
 
 
@@ -44,9 +44,7 @@ class ORPOLoss(PreferenceLoss):
 
     def __init__(self, beta: float = 0.1, ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         super().__init__(ignore_index=ignore_index, chunk_size=chunk_size)
-        if beta < 0:
-            raise ConfigError(f"beta must be >= 0, got {beta}")
-        self.beta = float(beta)
+        self.beta = finite_number("orpo loss: beta", beta, low=0.0)
 
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
                  context: LossContext | None = None) -> LossOutput:

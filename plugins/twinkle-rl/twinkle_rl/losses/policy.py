@@ -42,6 +42,7 @@ import torch
 from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.loss.base import LossContext, LossOutput
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE
+from twinkle_rl.checks import optional_integer
 from twinkle_rl.losses.clipped import PolicyLoss, PolicyTokens, clipped_surrogate
 
 
@@ -120,9 +121,8 @@ class DrGRPOLoss(_TokenRatioLoss):
                  chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0) -> None:
         super().__init__(epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high,
                          beta=beta, temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size)
-        if max_completion_length is not None and max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be positive, got {max_completion_length}")
-        self.max_completion_length = max_completion_length
+        self.max_completion_length = optional_integer("dr_grpo loss: max_completion_length", max_completion_length,
+                                                      low=1)
 
     def aggregate(self, per_token: torch.Tensor, tokens: PolicyTokens) -> tuple[torch.Tensor, Any]:
         length = self.max_completion_length or per_token.shape[-1]

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from twinkle_core.constants import IGNORE_INDEX
-from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import LossContext, LossOutput
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE
+from twinkle_rl.checks import finite_number
 from twinkle_rl.losses.base import PreferenceLoss, pair_metrics, smoothed_sigmoid_loss
 
 
@@ -26,13 +26,9 @@ class SimPOLoss(PreferenceLoss):
     def __init__(self, beta: float = 2.0, gamma: float = 0.5, label_smoothing: float = 0.0, sft_weight: float = 0.0,
                  ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         super().__init__(sft_weight=sft_weight, ignore_index=ignore_index, chunk_size=chunk_size)
-        if beta <= 0:
-            raise ConfigError(f"beta must be positive, got {beta}")
-        if not 0.0 <= label_smoothing <= 0.5:
-            raise ConfigError(f"label_smoothing must be in [0, 0.5], got {label_smoothing}")
-        self.beta = float(beta)
-        self.gamma = float(gamma)
-        self.label_smoothing = float(label_smoothing)
+        self.beta = finite_number("simpo loss: beta", beta, low=0.0, low_open=True)
+        self.gamma = finite_number("simpo loss: gamma", gamma)
+        self.label_smoothing = finite_number("simpo loss: label_smoothing", label_smoothing, low=0.0, high=0.5)
 
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
                  context: LossContext | None = None) -> LossOutput:

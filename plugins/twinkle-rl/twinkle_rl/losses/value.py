@@ -32,10 +32,10 @@ from typing import Any, ClassVar
 import torch
 
 from twinkle_core.constants import IGNORE_INDEX
-from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import Loss, LossContext, LossOutput
 from twinkle_core.loss.helpers import align_to_shifted, require, scalar
 from twinkle_core.loss.logprobs import acc_dtype
+from twinkle_rl.checks import optional_finite_number
 
 
 class PPOValueLoss(Loss):
@@ -44,9 +44,9 @@ class PPOValueLoss(Loss):
     name: ClassVar[str] = "ppo_value"
 
     def __init__(self, clip_range_value: float | None = 0.2, ignore_index: int = IGNORE_INDEX) -> None:
-        if clip_range_value is not None and not clip_range_value > 0:
-            raise ConfigError(f"clip_range_value must be positive (or None for no clipping), got {clip_range_value}")
-        self.clip_range_value = None if clip_range_value is None else float(clip_range_value)
+        # None (not inf) turns the clipping off
+        self.clip_range_value = optional_finite_number("ppo_value loss: clip_range_value (None: no clipping)",
+                                                       clip_range_value, low=0.0, low_open=True)
         self.ignore_index = ignore_index
 
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
