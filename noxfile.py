@@ -12,7 +12,7 @@ import os
 import nox
 
 nox.options.default_venv_backend = "none"
-nox.options.sessions = ["lint", "core", "hf", "megatron", "npu", "embedding", "rl", "vlm", "conformance"]
+nox.options.sessions = ["lint", "core", "hf", "megatron", "npu", "ray", "embedding", "rl", "vlm", "conformance"]
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
@@ -71,6 +71,13 @@ def npu(session: nox.Session) -> None:
 
 
 @nox.session
+def ray(session: nox.Session) -> None:
+    """twinkle-ray on a real local Ray cluster (loopback): worker groups, the model proxy, the sampler actor and
+    reward pool, `twinkle train --runtime ray` against torchrun, restarts and a 2-node cluster."""
+    _pytest(session, "twinkle-ray/tests", "-m", "not slow")
+
+
+@nox.session
 def vlm(session: nox.Session) -> None:
     """plugins/twinkle-vlm: data formats, the vlm task, per-part training, strategies, export, the quickstart."""
     _pytest(session, "plugins/twinkle-vlm/tests", "-m", "not slow")
@@ -110,7 +117,7 @@ def parity(session: nox.Session, threads: str) -> None:
     """The parity tests with THREADS threads per process (CI runs both through scripts/test.sh)."""
     _bootstrap(session)
     session.run(*PYTEST, "tests", "twinkle-backend-hf/tests", "twinkle-backend-megatron/tests",
-                "twinkle-backend-npu/tests", "plugins",
+                "twinkle-backend-npu/tests", "twinkle-ray/tests", "plugins",
                 "-m", "parity and not slow", *session.posargs, env={**ENV, "TWINKLE_TEST_THREADS": threads},
                 external=True, success_codes=[0])
 

@@ -1,0 +1,150 @@
+"""A sampler in its own Ray actor, behind the core's sampler contract (``task_options.sampler.name: ray``).
+
+::
+
+    task_options:
+      sampler: {name: ray, inner: {name: hf_generate, copy_weights: true}, num_cpus: 1}
+
+The actor hosts any ``push`` sampler (``inner``), given the policy's Hugging Face config and tokenizer. The
+weight-sync protocol of :mod:`twinkle_core.sampling` is followed across processes: after optimizer step ``k``
+every trainer rank calls ``sync_weights`` (the state dict is gathered collectively), rank 0 sends the update to
+the actor and waits for its acknowledgement, and a barrier keeps every rank from sampling before that; each
+completion then carries ``policy_step=k``. All trainer ranks share the one actor (named per Ray job).
+
+The update travels through Ray's object store (one copy per update; the tensors are not bucketed over a
+dedicated process group).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from twinkle_core import distributed
+from twinkle_core.errors import ConfigError, TwinkleError
+from twinkle_core.sampling import Completion, Sampler, SamplingParams, WeightUpdate
+
+
+class SamplerUnavailableError(TwinkleError, RuntimeError):
+    """The sampler actor died or did not answer in time."""
+
+
+@dataclass
+class PolicyDescription:
+    """What a ``push`` sampler reads from the policy at ``bind``, without the policy's weights: its Hugging Face
+    config (the ``export_config`` seam) and the remote-code switch it was built with."""
+
+    config: Any
+    trust_remote_code: bool | None = None
+    device: str = "cpu"
+    module: Any = None
+
+    def export_config(self) -> Any:
+        return self.config
+
+
+class SamplerWorker:
+    """The actor class: builds the inner sampler and answers the contract's calls."""
+
+    def __init__(self, inner: dict[str, Any]) -> None:
+        from twinkle_core.plugins import get_plugins
+
+        spec = dict(inner)
+        self.sampler = get_plugins().load("sampler", spec.pop("name"))(**spec)
+        if self.sampler.weight_sync != "push":
+            raise ConfigError(f"the ray sampler hosts a sampler that owns its weights (weight_sync 'push'); "
+                              f"{type(self.sampler).__name__} with these options reads the policy in process: "
+                              f"for hf_generate set copy_weights: true")
+
+    def bind(self, policy: PolicyDescription, tokenizer: Any, adapter_name: str | None) -> None:
+        self.sampler.bind(policy, tokenizer, adapter_name=adapter_name)
+
+    def receive_weights(self, update: WeightUpdate) -> int:
+        self.sampler.receive_weights(update)
+        self.sampler.policy_step = update.step
+        return update.step
+
+    def sample(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[list[int]],
+               ) -> list[list[Completion]]:
+        return self.sampler.sample(prompts, n=n, params=params, seeds=seeds)
+
+
+class RaySampler(Sampler):
+    name = "ray"
+    weight_sync = "push"
+
+    def __init__(self, *, inner: dict[str, Any] | None = None, num_cpus: float = 1.0, num_gpus: float = 0.0,
+                 timeout_s: float = 600.0, **options: Any) -> None:
+        if options:
+            raise ConfigError(f"unknown ray sampler option(s) {sorted(options)}; known: inner, num_cpus, num_gpus, "
+                              f"timeout_s")
+        inner = dict(inner or {"name": "hf_generate", "copy_weights": True})
+        if not isinstance(inner.get("name"), str):
+            raise ConfigError("the ray sampler's option inner must name a sampler, e.g. {name: hf_generate, "
+                              "copy_weights: true}")
+        super().__init__(inner=inner, num_cpus=num_cpus, num_gpus=num_gpus, timeout_s=timeout_s)
+        self.inner, self.num_cpus, self.num_gpus, self.timeout_s = inner, num_cpus, num_gpus, float(timeout_s)
+        self.actor: Any = None
+
+    def bind(self, model: Any, tokenizer: Any, *, adapter_name: str | None = None) -> None:
+        super().bind(model, tokenizer, adapter_name=adapter_name)
+        from twinkle_ray.cluster import ray_module
+
+        ray = ray_module()
+        if not ray.is_initialized():
+            raise ConfigError("the ray sampler runs in a Ray actor: train with `twinkle train --runtime ray`, or "
+                              "call ray.init() before training")
+        # one actor for the whole job: rank 0 names it, every rank looks it up
+        name = distributed.broadcast_object(f"twinkle-sampler-{uuid.uuid4().hex[:12]}")
+        if distributed.rank() == 0:
+            worker = ray.remote(SamplerWorker).options(name=name, num_cpus=self.num_cpus, num_gpus=self.num_gpus,
+                                                       max_restarts=0)
+            self.actor = worker.remote(self.inner)
+            policy = PolicyDescription(config=model.export_config(),
+                                       trust_remote_code=getattr(model, "trust_remote_code", None),
+                                       device="cuda" if self.num_gpus else "cpu")
+            self._get(self.actor.bind.remote(policy, tokenizer, adapter_name), "bind")
+        distributed.barrier()
+        if self.actor is None:
+            self.actor = ray.get_actor(name)
+
+    def sync_weights(self, model: Any, *, step: int) -> None:
+        state = model.get_state_dict(adapter_name=self.adapter_name)  # a collective: every rank gathers
+        if distributed.rank() == 0:
+            update = WeightUpdate(step=step, state_dict=state, adapter_name=self.adapter_name)
+            acknowledged = self._get(self.actor.receive_weights.remote(update), "receive_weights")
+            if acknowledged != step:
+                raise SamplerUnavailableError(f"the sampler actor acknowledged step {acknowledged}, not {step}")
+        distributed.barrier()  # no rank samples before the actor holds step k's weights
+        self.policy_step = step
+
+    def sample(self, prompts: list[list[int]], *, n: int, params: SamplingParams,
+               seeds: list[list[int]]) -> list[list[Completion]]:
+        return self._get(self.actor.sample.remote(prompts, n, params, seeds), "sample")
+
+    def _get(self, future: Any, call: str) -> Any:
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        from twinkle_ray.cluster import ray_module
+
+        try:
+            return ray_module().get(future, timeout=self.timeout_s)
+        except GetTimeoutError:
+            raise SamplerUnavailableError(f"sampler actor ({self.inner['name']}): {call} gave no answer within "
+                                          f"{self.timeout_s:.0f} s (raise task_options.sampler.timeout_s)") from None
+        except RayActorError as exc:
+            raise SamplerUnavailableError(f"sampler actor ({self.inner['name']}) died during {call}: "
+                                          f"{type(exc).__name__}") from None
+        except RayTaskError as exc:
+            if isinstance(exc.cause, TwinkleError):
+                raise exc.cause from None
+            raise SamplerUnavailableError(f"sampler actor ({self.inner['name']}) failed in {call}: "
+                                          f"{str(exc).strip().splitlines()[-1]}") from None
+
+    def close(self) -> None:
+        if self.actor is not None and distributed.rank() == 0:
+            from twinkle_ray.cluster import ray_module
+
+            ray_module().kill(self.actor, no_restart=True)
+        self.actor = None
