@@ -5,8 +5,9 @@
     twinkle --version
     twinkle plugins [--json] [--probe]
     twinkle train RECIPE.yaml [key.path=value ...] [--resume PATH|latest] [--resume-weights-only PATH|latest]
-                  [--dry-run]
+                  [--dry-run] [--overwrite] [--runtime torchrun|ray]
                   [--nproc-per-node N] [--nnodes N] [--node-rank R] [--master-addr A] [--master-port P]
+                  [--num-workers N] [--ray-address A] [--max-restarts N] ...   # --runtime ray (twinkle-ray)
     twinkle plot logs.jsonl [--output curves.png]
     # with twinkle-backend-hf:
     twinkle chat CHECKPOINT [--prompt TEXT] [--system TEXT] [--temperature T] [--top-p P] [--max-new-tokens N]

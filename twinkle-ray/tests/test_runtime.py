@@ -167,3 +167,32 @@ def test_max_restarts_rebuilds_the_group_and_resumes_with_the_uninterrupted_loss
     assert "restart 1/1 from the last checkpoint" in text, text[-4000:]
     assert "twinkle: done at step 12/12" in text, text[-4000:]
     assert_same_losses(losses(out), reference)
+
+
+# other strategies: the same job under both runtimes, 3 steps each (the quickstart under FSDP2, and the Megatron
+# example with tensor parallelism over the 2 ranks)
+STRATEGIES = {
+    "native_fsdp": (RECIPE, "strategy.name=native_fsdp", "data.batch_size=8"),
+    "megatron_tp2": (RECIPE.parents[1] / "megatron" / "recipe_tp2.yaml", "data.batch_size=8", "data.max_length=64"),
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_other_strategies_give_torchruns_losses_under_ray(tmp_path, strategy):
+    pytest.importorskip("twinkle_backend_megatron" if strategy.startswith("megatron") else "twinkle_backend_hf")
+    recipe, *overrides = STRATEGIES[strategy]
+    shared = ["train.max_steps=3", "train.log_every=1", "train.save_every=null", "train.eval_before_training=false",
+              "train.eval_every=null", "train.evaluate_options.limit=2", *overrides]
+
+    def train(out: Path, *launch: str) -> dict[int, float]:
+        result = subprocess.run([sys.executable, "-m", "twinkle_core.cli", "train", str(recipe),
+                                 f"train.output_dir={out}", *shared, *launch],
+                                capture_output=True, text=True, timeout=420, env=environment())
+        assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+        return losses(out)
+
+    under_ray = train(tmp_path / "ray", *RAY)
+    under_torchrun = train(tmp_path / "torchrun", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                           "--master-port", str(free_port()))
+    assert sorted(under_ray) == [1, 2, 3]
+    assert under_ray == under_torchrun, (under_ray, under_torchrun)  # the same arithmetic, another launcher

@@ -54,9 +54,11 @@ def connected(address: str | None = None, *, num_cpus: int | None = None, num_gp
         return
     options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
     if address is None:
+        # "local": a new cluster for this job even when `ray start` ran on this machine before (ray.init() would
+        # join that one, or fail on what it left behind)
         options.update(num_cpus=num_cpus, num_gpus=num_gpus)
     try:
-        ray.init(address=address, **options)
+        ray.init(address=address or "local", **options)
     except ConnectionError as exc:
         raise ConfigError(f"cannot connect to the Ray cluster at {address!r}: {exc}. Start one with "
                           "`ray start --head` on the head machine, or leave --ray-address out to run a local "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import sys
 from typing import Any
@@ -20,6 +21,9 @@ from twinkle_core.errors import ConfigError
 from twinkle_core.launch import Runtime, TrainJob
 
 logger = logging.getLogger("twinkle.ray")
+
+#: CPUs a local cluster offers beyond the trainer group's, for role actors (samplers, reward workers)
+ROLE_CPUS = 4
 
 
 class RayRuntime(Runtime):
@@ -53,7 +57,9 @@ class RayRuntime(Runtime):
         from twinkle_core.commands.train import print_summary
         from twinkle_ray.cluster import connected
 
-        local_cpus = max(os.cpu_count() or 1, int(args.num_workers * args.cpus_per_worker + 0.999))
+        # a local cluster's CPUs are scheduling tokens: the trainer group's, plus room for the actors a recipe adds
+        # (a sampler, a reward pool), as torchrun would also start every process on a busy machine
+        local_cpus = max(os.cpu_count() or 1, math.ceil(args.num_workers * args.cpus_per_worker)) + ROLE_CPUS
         with connected(args.ray_address, num_cpus=local_cpus):
             summary = run_with_restarts(job, args)
         if summary is not None:

@@ -33,16 +33,20 @@ logger = logging.getLogger("twinkle.ray")
 FORWARDED_PREFIXES = ("TWINKLE_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "DS_", "OMP_", "MKL_", "TORCH_",
                       "NCCL_", "HCCL_", "GLOO_", "PYTHONHASHSEED", "CUBLAS_", "PYTORCH_")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+#: how long the other ranks get to fail after the first failure, so that the root cause is the one reported
+ROOT_CAUSE_GRACE_S = 5.0
 
 
 class WorkerFailedError(TwinkleError, RuntimeError):
     """A rank of a worker group died or raised; the group was stopped."""
 
-    def __init__(self, role: str, rank: int, cause: str) -> None:
+    def __init__(self, role: str, rank: int, cause: str, *, died: bool = False) -> None:
         super().__init__(f"{role} rank {rank} failed: {cause}")
         self.role = role
         self.rank = rank
         self.cause = cause
+        #: the rank's process died (rather than raising)
+        self.died = died
 
 
 def forwarded_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -146,24 +150,39 @@ class WorkerGroup:
                 raise WorkerFailedError(self.role, min(pending.values()), f"no answer within {timeout_s:.0f} s")
             for future in done:
                 rank = pending.pop(future)
-                results[rank] = self._result(future, rank)
+                outcome = self._outcome(future, rank)
+                if isinstance(outcome, WorkerFailedError):
+                    raise self._root_cause(outcome, pending)
+                results[rank] = outcome
         return [results[rank] for rank in range(len(futures))]
 
-    def _result(self, future: Any, rank: int) -> Any:
+    def _root_cause(self, first: WorkerFailedError, pending: dict[Any, int]) -> WorkerFailedError:
+        """The failure to report once ``first`` happened: a peer of a dead rank fails in its collective at once
+        ("connection closed by peer"), often before Ray reports the death, so the others get a moment to fail
+        too, and a dead actor is named before a rank that merely lost it. Then the group is stopped."""
+        ray = ray_module()
+        failures = [first]
+        if pending:
+            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=ROOT_CAUSE_GRACE_S)
+            failures += [f for f in (self._outcome(future, pending[future]) for future in done)
+                         if isinstance(f, WorkerFailedError)]
+        self.shutdown()
+        return min(failures, key=lambda f: (not f.died, f.rank))
+
+    def _outcome(self, future: Any, rank: int) -> Any:
+        """The rank's result, or the WorkerFailedError that describes its failure."""
         ray = ray_module()
         from ray.exceptions import RayActorError, RayTaskError
 
         try:
             return ray.get(future)
         except RayActorError as exc:
-            self.shutdown()
-            raise WorkerFailedError(self.role, rank, f"the actor died ({describe_death(exc)})") from None
+            return WorkerFailedError(self.role, rank, f"the actor died ({describe_death(exc)})", died=True)
         except RayTaskError as exc:
-            self.shutdown()
             cause = exc.cause
             if isinstance(cause, TwinkleError):  # the rank's own clear error, e.g. a bad recipe value
-                raise WorkerFailedError(self.role, rank, f"{type(cause).__name__}: {cause}") from None
-            raise WorkerFailedError(self.role, rank, last_line(str(exc))) from None
+                return WorkerFailedError(self.role, rank, f"{type(cause).__name__}: {cause}")
+            return WorkerFailedError(self.role, rank, last_line(str(exc)))
 
     # ------------------------------------------------------------------ stop
     def shutdown(self) -> None:

@@ -1,0 +1,73 @@
+"""Online RL with roles under ``--runtime ray``: a GRPO run whose trainer group (2 DDP ranks) samples through a
+sampler actor (``hf_generate`` with its own copy of the weights, pushed after every step) and scores through a
+pool of 2 reward actors logs the same steps as the same run under torchrun with the sampler and the reward in the
+trainer processes (which the RL plugin's own tests hold equal to one process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from twinkle_core.testing.torchrun import free_port, thread_env
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+REWARD = "twinkle_ray.testing:length_reward"
+
+
+def recipe(out: Path, *, sampler: dict, rewards: list) -> dict:
+    return {
+        "task": "grpo",
+        "task_options": {"num_generations": 4, "sampling": {"temperature": 1.0, "max_new_tokens": 6},
+                         "sampler": sampler, "rewards": rewards},
+        "model": {"class_name": "TransformersModel", "tokenizer": str(EXAMPLES / "quickstart" / "tokenizer"),
+                  "config": {"model_type": "qwen2", "vocab_size": 262, "hidden_size": 32, "intermediate_size": 64,
+                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                             "max_position_embeddings": 128, "tie_word_embeddings": True, "bos_token_id": 0,
+                             "eos_token_id": 0, "pad_token_id": 0}},
+        "precision": "no",
+        "strategy": {"name": "ddp"},
+        "data": {"train": str(EXAMPLES / "grpo" / "train.jsonl"), "batch_size": 2},
+        "optimizer": {"name": "AdamW", "lr": 1e-2, "weight_decay": 0.0},
+        "lr_scheduler": {"name": "constant"},
+        "train": {"output_dir": str(out), "max_steps": 3, "seed": 0, "log_every": 1, "eval_before_training": False},
+    }
+
+
+def train(tmp_path: Path, name: str, spec: dict, *launch: str) -> list[dict]:
+    out = tmp_path / name
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "RAY_ADDRESS")}
+    env.update({"HF_HUB_OFFLINE": "1", "TWINKLE_NO_PROGRESS": "1", "TOKENIZERS_PARALLELISM": "false",
+                "TWINKLE_TENSORBOARD": "0", **thread_env()})
+    result = subprocess.run([sys.executable, "-m", "twinkle_core.cli", "train", str(path), *launch],
+                            capture_output=True, text=True, timeout=500, env=env)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    lines = [json.loads(line) for line in (out / "logs.jsonl").read_text().splitlines() if line.strip()]
+    return [line for line in lines if line.get("event") == "train"]
+
+
+def test_grpo_with_a_sampler_actor_and_a_reward_pool_equals_the_in_process_roles(tmp_path):
+    local = train(tmp_path, "torchrun",
+                  recipe(tmp_path / "torchrun", sampler={"name": "hf_generate", "copy_weights": True},
+                         rewards=[REWARD]),
+                  "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()))
+    roles = train(tmp_path, "ray",
+                  recipe(tmp_path / "ray", sampler={"name": "ray", "inner": {"name": "hf_generate",
+                                                                             "copy_weights": True}},
+                         rewards=[{"name": "ray_pool", "options": {"reward": REWARD, "workers": 2}}]),
+                  "--runtime", "ray", "--num-workers", "2")
+    assert [line["step"] for line in roles] == [line["step"] for line in local] == [1, 2, 3]
+    assert len({line["reward_mean"] for line in local}) > 1, "the rewards carry no signal: the test would be vacuous"
+    for mine, theirs in zip(roles, local):
+        for key in ("loss", "reward_mean", "grad_norm", "completion_length_mean"):
+            # the same arithmetic in the same order: the sampler's copy holds the policy's exact weights
+            assert mine[key] == theirs[key], (mine["step"], key, mine[key], theirs[key])
