@@ -210,6 +210,8 @@ SEAMS: tuple[Seam, ...] = (
          "`has_eval_loss = False`"),
     Seam("evaluate", "Task", "curve_keys", _TRAINER, "at the end of a run, drawing `curves.png`",
          '`curve_keys = ("reward_mean",)`'),
+    Seam("step", "Task", "console_keys", _TRAINER, "every logged step, on the console's step line",
+         '`console_keys = ("reward_mean", "policy_lag")`'),
     # ------------------------------------------------------------------ checkpoint
     Seam("checkpoint", "Task", "state_dict", _TRAINER, "every checkpoint (each rank's own)",
          '`return {"queue": list(self.queue)}`'),

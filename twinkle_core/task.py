@@ -55,6 +55,8 @@ class Task(ABC):
     has_eval_loss: ClassVar[bool] = True
     #: logged values drawn in ``output_dir/curves.png`` besides the loss (with their ``eval_`` counterparts)
     curve_keys: ClassVar[tuple[str, ...]] = ()
+    #: logged values (from :meth:`step_metrics`) the console's step line shows after the loss, when present
+    console_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **options: Any) -> None:
         self.options = options

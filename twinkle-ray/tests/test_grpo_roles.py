@@ -67,6 +67,10 @@ def test_grpo_with_a_sampler_actor_and_a_reward_pool_equals_the_in_process_roles
                   "--runtime", "ray", "--num-workers", "2")
     assert [line["step"] for line in roles] == [line["step"] for line in local] == [1, 2, 3]
     assert len({line["reward_mean"] for line in local}) > 1, "the rewards carry no signal: the test would be vacuous"
+    for line in roles:  # where the time went, per role: the sampler actor, the reward pool, the weight push
+        assert all(line[key] > 0 for key in ("generation_time_s", "reward_time_s", "weight_sync_time_s")), line
+    print({key: roles[-1][key] for key in ("generation_time_s", "reward_time_s", "weight_sync_time_s")},
+          {key: local[-1][key] for key in ("generation_time_s", "reward_time_s", "weight_sync_time_s")})
     for mine, theirs in zip(roles, local):
         for key in ("loss", "reward_mean", "grad_norm", "completion_length_mean"):
             # the same arithmetic in the same order: the sampler's copy holds the policy's exact weights

@@ -98,9 +98,11 @@ class StepReporter:
             self.bar.set_postfix(loss=values["loss"], lr=values["lr"], refresh=False)
             return
         lr, grad_norm = values["lr"], values["grad_norm"]
-        logger.info("step %d/%d loss %s lr %s grad_norm %s tokens/s %s", step, self.run.total_steps, values["loss"],
+        extra = "".join(f" {key} {rounded(values[key], 4)}" for key in self.run.task.console_keys if key in values
+                        and isinstance(values[key], (int, float)))
+        logger.info("step %d/%d loss %s lr %s grad_norm %s tokens/s %s%s", step, self.run.total_steps, values["loss"],
                     rounded(lr, 3) if lr is not None else None, rounded(grad_norm, 4) if grad_norm is not None else None,
-                    values["tokens_per_s"])
+                    values["tokens_per_s"], extra)
 
     def log_eval(self, step: int, metrics: dict[str, float], *, console: bool = True) -> dict[str, float]:
         """The ``eval`` log line of ``step`` (and, with ``console``, the console line)."""

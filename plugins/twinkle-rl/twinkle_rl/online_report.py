@@ -16,7 +16,8 @@ from twinkle_rl.rollout import DataParallel, RolloutEngine, RolloutStats
 
 #: sums every rank reduces, also a rank whose rollouts had none of them (the keys must agree)
 BASE_SUMS = ("completions", "reward", "reward_sq", "completion_tokens", "truncated", "sampler_time_s", "nan_rewards",
-             "empty_completions", "groups_dropped", "groups_filled_uninformative", "groups_without_score", "policy_lag")
+             "empty_completions", "groups_dropped", "groups_filled_uninformative", "groups_without_score", "policy_lag",
+             "generation_time_s", "reward_time_s", "weight_sync_time_s", "rollout_wait_s")
 
 
 def _accuracy(out: dict[str, float], names: list[str], accuracy_reward: str | None) -> None:
@@ -46,8 +47,13 @@ def summarise(stats: RolloutStats, dp: DataParallel, *, reward_names: list[str],
            "sampler_tokens_per_s": total["completion_tokens"] / max(total["sampler_time_s"], 1e-9),
            "nan_rewards": total["nan_rewards"], "groups_without_score": total["groups_without_score"],
            "empty_completions": total["empty_completions"]}
+    # where a rank's time went, per role (seconds over the logged steps, the mean over the data-parallel ranks)
+    ranks = dp.view.size if dp.view.active else 1
+    for key in ("generation_time_s", "reward_time_s", "weight_sync_time_s"):
+        out[key] = total[key] / ranks
     if one_step_off:
         out["policy_lag"] = total["policy_lag"] / count
+        out["rollout_wait_s"] = total["rollout_wait_s"] / ranks  # the trainer idle, waiting for the sampler
     if dynamic_sampling:
         out["groups_dropped"] = total["groups_dropped"]
         out["groups_filled_uninformative"] = total["groups_filled_uninformative"]

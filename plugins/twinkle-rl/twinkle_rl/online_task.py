@@ -47,6 +47,7 @@ and the recipe check refuses a rollout that does not divide into that many.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, ClassVar
 
 import torch
@@ -135,6 +136,9 @@ class OnlineRLTask(Task):
     provides: ClassVar[frozenset[str]] = frozenset({"advantages", "old_logps", "ref_logps"})
     has_eval_loss: ClassVar[bool] = False
     curve_keys: ClassVar[tuple[str, ...]] = ("reward_mean", "accuracy", "completion_length_mean")
+    #: the step line: how the rollouts score, how stale they are (one step off), and where the time went
+    console_keys: ClassVar[tuple[str, ...]] = ("reward_mean", "policy_lag", "generation_time_s", "reward_time_s",
+                                               "weight_sync_time_s", "rollout_wait_s")
     #: ``num_generations`` when the recipe does not set it
     default_num_generations: ClassVar[int] = 8
 
@@ -338,12 +342,14 @@ class OnlineRLTask(Task):
         if self.inflight is None:  # the first rollout, or (an older checkpoint) the prompts of the one in flight
             self.inflight = InflightRollout(engine, self._inflight_features(draw), self.rollouts)
         current, self.inflight = self.inflight, None
+        waiting = time.perf_counter()
         rollout = current.result()
+        self.stats.add("rollout_wait_s", time.perf_counter() - waiting)
         self.stats.merge(current.stats)
         step = TrainingSetup.of(model).step
         self.stats.add("policy_lag", (step - current.policy_step) * len(rollout.completions))
         # the sampler is idle now: give it the current weights, then sample the next rollout while this one trains
-        engine.sampler.sync_weights(model, step=step)
+        self._sync_weights(model, step)
         self.inflight = InflightRollout(engine, list(draw()["prompts"]), self.rollouts + 1)
         return rollout
 
@@ -388,7 +394,12 @@ class OnlineRLTask(Task):
     def after_step(self, model: Any, *, step: int) -> None:
         # one step off: the sampler is busy with the next rollout; it gets the weights when that one is collected
         if self.engine is not None and not self.one_step_off:
-            self.engine.sampler.sync_weights(model, step=step)
+            self._sync_weights(model, step)
+
+    def _sync_weights(self, model: Any, step: int) -> None:
+        started = time.perf_counter()
+        self.engine.sampler.sync_weights(model, step=step)
+        self.stats.add("weight_sync_time_s", time.perf_counter() - started)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, model: Any, dataset: Any, tokenizer: Any, *, limit: int | None = None, batch_size: int = 16,

@@ -215,10 +215,14 @@ class RolloutEngine:
                 break
             features = list(draw()["prompts"]) if need else []
             target = len(features) if target is None else target
+            sampling = time.perf_counter()
             groups = self._sample(features, rollout, draw_index)  # an empty list keeps a lockstep sampler matched
+            stats.add("generation_time_s", time.perf_counter() - sampling)
             if not features:
                 continue
+            scoring = time.perf_counter()
             scored = self._score(features, groups, stats, report)
+            stats.add("reward_time_s", time.perf_counter() - scoring)
             informative = torch.ones(len(features), dtype=torch.bool)
             if self.dynamic_sampling:  # a group without a score is not informative either
                 informative = informative_groups(torch.stack([g.rewards for g in scored]))
