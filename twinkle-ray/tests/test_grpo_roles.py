@@ -55,14 +55,23 @@ def train(tmp_path: Path, name: str, spec: dict, *launch: str) -> list[dict]:
     return [line for line in lines if line.get("event") == "train"]
 
 
-def test_grpo_with_a_sampler_actor_and_a_reward_pool_equals_the_in_process_roles(tmp_path):
-    local = train(tmp_path, "torchrun",
-                  recipe(tmp_path / "torchrun", sampler={"name": "hf_generate", "copy_weights": True},
-                         rewards=[REWARD]),
-                  "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()))
+@pytest.fixture(scope="module")
+def in_process_roles(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("torchrun")
+    return train(root, "torchrun", recipe(root / "torchrun", sampler={"name": "hf_generate", "copy_weights": True},
+                                          rewards=[REWARD]),
+                 "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()))
+
+
+# channel: small buckets, so that every update travels over the weight channel in several pieces
+@pytest.mark.parametrize("transport", [{"weight_transport": "channel", "bucket_mb": 0.05},
+                                       {"weight_transport": "object_store"}], ids=["channel", "object_store"])
+def test_grpo_with_a_sampler_actor_and_a_reward_pool_equals_the_in_process_roles(tmp_path, in_process_roles,
+                                                                                  transport):
+    local = in_process_roles
     roles = train(tmp_path, "ray",
-                  recipe(tmp_path / "ray", sampler={"name": "ray", "inner": {"name": "hf_generate",
-                                                                             "copy_weights": True}},
+                  recipe(tmp_path / "ray", sampler={"name": "ray", **transport,
+                                                    "inner": {"name": "hf_generate", "copy_weights": True}},
                          rewards=[{"name": "ray_pool", "options": {"reward": REWARD, "workers": 2}}]),
                   "--runtime", "ray", "--num-workers", "2")
     assert [line["step"] for line in roles] == [line["step"] for line in local] == [1, 2, 3]

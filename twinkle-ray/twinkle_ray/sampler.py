@@ -11,8 +11,9 @@ every trainer rank calls ``sync_weights`` (the state dict is gathered collective
 the actor and waits for its acknowledgement, and a barrier keeps every rank from sampling before that; each
 completion then carries ``policy_step=k``. All trainer ranks share the one actor (named per Ray job).
 
-The update travels through Ray's object store (one copy per update; the tensors are not bucketed over a
-dedicated process group).
+``weight_transport``: ``channel`` (default) sends the update in buckets of ``bucket_mb`` over a dedicated
+two-process gloo group between trainer rank 0 and the actor (:mod:`twinkle_ray.weight_channel`), outside the
+trainer's own process group; ``object_store`` sends it as one Ray object.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from typing import Any
 from twinkle_core import distributed
 from twinkle_core.errors import ConfigError, TwinkleError
 from twinkle_core.sampling import Completion, Sampler, SamplingParams, WeightUpdate
+from twinkle_ray.weight_channel import DEFAULT_BUCKET_BYTES, TensorSlot, WeightChannel, plan_buckets
+
+TRANSPORTS = ("channel", "object_store")
 
 
 class SamplerUnavailableError(TwinkleError, RuntimeError):
@@ -65,6 +69,24 @@ class SamplerWorker:
         self.sampler.policy_step = update.step
         return update.step
 
+    def open_channel(self, timeout_s: float) -> tuple[str, int]:
+        """Start the receiving end of a weight channel on this actor's node; its address."""
+        import ray
+
+        from twinkle_ray.cluster import node_addresses
+
+        host = node_addresses()[ray.get_runtime_context().get_node_id()]
+        self.channel = WeightChannel.listen(host, timeout_s)
+        return host, self.channel.port
+
+    def connect_channel(self) -> bool:
+        self.channel.connect()  # blocks until the trainer's end has joined
+        return True
+
+    def receive_buckets(self, step: int, adapter_name: str | None, buckets: list[list[TensorSlot]]) -> int:
+        state = self.channel.receive(buckets)
+        return self.receive_weights(WeightUpdate(step=step, state_dict=state, adapter_name=adapter_name))
+
     def sample(self, prompts: list[list[int]], n: int, params: SamplingParams, seeds: list[list[int]],
                ) -> list[list[Completion]]:
         return self.sampler.sample(prompts, n=n, params=params, seeds=seeds)
@@ -75,17 +97,26 @@ class RaySampler(Sampler):
     weight_sync = "push"
 
     def __init__(self, *, inner: dict[str, Any] | None = None, num_cpus: float = 1.0, num_gpus: float = 0.0,
-                 timeout_s: float = 600.0, **options: Any) -> None:
+                 timeout_s: float = 600.0, weight_transport: str = "channel",
+                 bucket_mb: float = DEFAULT_BUCKET_BYTES / (1 << 20), **options: Any) -> None:
         if options:
             raise ConfigError(f"unknown ray sampler option(s) {sorted(options)}; known: inner, num_cpus, num_gpus, "
-                              f"timeout_s")
+                              f"timeout_s, weight_transport, bucket_mb")
+        if weight_transport not in TRANSPORTS:
+            raise ConfigError(f"the ray sampler's weight_transport must be one of {', '.join(TRANSPORTS)}, got "
+                              f"{weight_transport!r}")
+        if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0 and bucket_mb < float("inf")):
+            raise ConfigError(f"the ray sampler's bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
         inner = dict(inner or {"name": "hf_generate", "copy_weights": True})
         if not isinstance(inner.get("name"), str):
             raise ConfigError("the ray sampler's option inner must name a sampler, e.g. {name: hf_generate, "
                               "copy_weights: true}")
-        super().__init__(inner=inner, num_cpus=num_cpus, num_gpus=num_gpus, timeout_s=timeout_s)
+        super().__init__(inner=inner, num_cpus=num_cpus, num_gpus=num_gpus, timeout_s=timeout_s,
+                         weight_transport=weight_transport, bucket_mb=bucket_mb)
         self.inner, self.num_cpus, self.num_gpus, self.timeout_s = inner, num_cpus, num_gpus, float(timeout_s)
+        self.transport, self.bucket_bytes = weight_transport, max(int(bucket_mb * (1 << 20)), 1)
         self.actor: Any = None
+        self.channel: WeightChannel | None = None
 
     def bind(self, model: Any, tokenizer: Any, *, adapter_name: str | None = None) -> None:
         super().bind(model, tokenizer, adapter_name=adapter_name)
@@ -105,15 +136,35 @@ class RaySampler(Sampler):
                                        trust_remote_code=getattr(model, "trust_remote_code", None),
                                        device="cuda" if self.num_gpus else "cpu")
             self._get(self.actor.bind.remote(policy, tokenizer, adapter_name), "bind")
+            if self.transport == "channel":
+                self._open_channel()
         distributed.barrier()
         if self.actor is None:
             self.actor = ray.get_actor(name)
 
+    def _open_channel(self) -> None:
+        host, port = self._get(self.actor.open_channel.remote(self.timeout_s), "open_channel")
+        joined = self.actor.connect_channel.remote()
+        self.channel = WeightChannel(host, port, WeightChannel.SENDER, self.timeout_s)
+        self.channel.connect()
+        self._get(joined, "connect_channel")
+
     def sync_weights(self, model: Any, *, step: int) -> None:
         state = model.get_state_dict(adapter_name=self.adapter_name)  # a collective: every rank gathers
         if distributed.rank() == 0:
-            update = WeightUpdate(step=step, state_dict=state, adapter_name=self.adapter_name)
-            acknowledged = self._get(self.actor.receive_weights.remote(update), "receive_weights")
+            if self.channel is not None:
+                buckets = plan_buckets(state, self.bucket_bytes)
+                received = self.actor.receive_buckets.remote(step, self.adapter_name, buckets)
+                try:
+                    self.channel.send(state, buckets)
+                except RuntimeError as exc:  # gloo: the receiving end is gone (connection closed by peer)
+                    raise SamplerUnavailableError(f"sampler actor ({self.inner['name']}) died during receive_weights: "
+                                                  f"the weight channel broke ({str(exc).strip().splitlines()[0]})"
+                                                  ) from None
+            else:
+                update = WeightUpdate(step=step, state_dict=state, adapter_name=self.adapter_name)
+                received = self.actor.receive_weights.remote(update)
+            acknowledged = self._get(received, "receive_weights")
             if acknowledged != step:
                 raise SamplerUnavailableError(f"the sampler actor acknowledged step {acknowledged}, not {step}")
         distributed.barrier()  # no rank samples before the actor holds step k's weights
@@ -148,3 +199,4 @@ class RaySampler(Sampler):
 
             ray_module().kill(self.actor, no_restart=True)
         self.actor = None
+        self.channel = None
