@@ -77,7 +77,6 @@ class RayRewardPool(Reward):
             self.actors = [worker.options(name=f"twinkle-reward-{job}-{slug}-{i}", get_if_exists=True,
                                           num_cpus=self.num_cpus, max_restarts=-1, max_task_retries=0)
                            .remote(self.spec, self.options) for i in range(self.workers)]
-        self._wait_ready(self.actors)
         return self.actors
 
     def _wait_ready(self, actors: list[Any]) -> None:
@@ -110,7 +109,7 @@ class RayRewardPool(Reward):
 
         ray = ray_module()
         actors = self._pool()
-        self._wait_ready(actors)  # a worker restarted after the last call's failure is up again
+        self._wait_ready(actors)  # started, or restarted after the last call's failure
         bounds = chunk_bounds(len(completions), len(actors))
         calls = [(index, actor, b - a, actor.score.remote(prompts[a:b], completions[a:b],
                                                           {k: v[a:b] for k, v in fields.items()}))

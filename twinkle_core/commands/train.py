@@ -16,6 +16,7 @@ once it holds the directory's lock).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from typing import Any
@@ -50,13 +51,16 @@ class TrainCommand(Command):
         for name, runtime in sorted(self.runtimes.items(), key=lambda item: (item[0] != DEFAULT_RUNTIME, item[0])):
             runtime.add_arguments(parser.add_argument_group(runtime.title or f"runtime {name}"))
 
+    @functools.cached_property
+    def loaded_runtimes(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The installed runtimes and those that failed to load (:func:`twinkle_core.launch.load_runtimes`)."""
+        from twinkle_core.launch import load_runtimes
+
+        return load_runtimes()
+
     @property
     def runtimes(self) -> dict[str, Any]:
-        if not hasattr(self, "_runtimes"):
-            from twinkle_core.launch import load_runtimes
-
-            self._runtimes, self._broken_runtimes = load_runtimes()
-        return self._runtimes
+        return self.loaded_runtimes[0]
 
     def take_unparsed(self, args: argparse.Namespace, unparsed: list[str]) -> list[str]:
         # overrides may also come after options: RECIPE --resume latest a.b=1
@@ -72,7 +76,7 @@ class TrainCommand(Command):
 
         # where the time before the first optimizer step goes: the run's summary has it ("startup")
         timer = start_startup_timer()
-        runtime = select_runtime(args.runtime, self.runtimes, self._broken_runtimes)
+        runtime = select_runtime(args.runtime, *self.loaded_runtimes)
         args.world_size = runtime.world_size(args)
         recipe, strategy = validated_recipe(args, timer)
         if args.dry_run:
