@@ -165,6 +165,15 @@ class Sampler(ABC):
         self.adapter_name: str | None = None
         self.policy_step = 0
 
+    def overlap_refusal(self) -> str | None:
+        """Why this sampler cannot generate while the policy trains (asynchronous, one-step-off rollouts), or
+        ``None`` when it can. The RL tasks ask before their first asynchronous rollout. By default a sampler that
+        reads the policy's own parameters cannot (they change under it); one with its own copy can."""
+        if self.weight_sync != "push":
+            return ("the sampler needs its own copy of the weights: set task_options.sampler.copy_weights: true "
+                    "(hf_generate) or use a sampler with weight_sync 'push'")
+        return None
+
     def bind(self, model: TwinkleModel, tokenizer: Any, *, adapter_name: str | None = None) -> None:
         """Attach the policy being trained (called once, on every rank, before the first rollout)."""
         self.model, self.tokenizer, self.adapter_name = model, tokenizer, adapter_name

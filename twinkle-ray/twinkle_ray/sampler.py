@@ -11,6 +11,10 @@ every trainer rank calls ``sync_weights`` (the state dict is gathered collective
 the actor and waits for its acknowledgement, and a barrier keeps every rank from sampling before that; each
 completion then carries ``policy_step=k``. All trainer ranks share the one actor (named per Ray job).
 
+``placement``: ``split`` (default) starts the actor with its own ``num_cpus`` / ``num_gpus`` wherever the cluster
+has room; ``colocated`` time-shares trainer rank 0's placement-group bundle and device, synchronous rollouts only
+(:mod:`twinkle_ray.sampler_placement`).
+
 ``weight_transport``: ``channel`` (default) sends the update in buckets of ``bucket_mb`` over a dedicated
 two-process gloo group between trainer rank 0 and the actor (:mod:`twinkle_ray.weight_channel`), outside the
 trainer's own process group; ``object_store`` sends it as one Ray object.
@@ -18,6 +22,7 @@ trainer's own process group; ``object_store`` sends it as one Ray object.
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +30,8 @@ from typing import Any
 from twinkle_core import distributed
 from twinkle_core.errors import ConfigError, TwinkleError
 from twinkle_core.sampling import Completion, Sampler, SamplingParams, WeightUpdate
+from twinkle_ray import sampler_placement
+from twinkle_ray.rank_layout import VISIBLE_DEVICES
 from twinkle_ray.weight_channel import DEFAULT_BUCKET_BYTES, TensorSlot, WeightChannel, plan_buckets
 
 TRANSPORTS = ("channel", "object_store")
@@ -51,9 +58,10 @@ class PolicyDescription:
 class SamplerWorker:
     """The actor class: builds the inner sampler and answers the contract's calls."""
 
-    def __init__(self, inner: dict[str, Any]) -> None:
+    def __init__(self, inner: dict[str, Any], env: dict[str, str] | None = None) -> None:
         from twinkle_core.plugins import get_plugins
 
+        os.environ.update(env or {})  # before anything initialises an accelerator (a colocated actor's devices)
         spec = dict(inner)
         self.sampler = get_plugins().load("sampler", spec.pop("name"))(**spec)
         if self.sampler.weight_sync != "push":
@@ -63,6 +71,15 @@ class SamplerWorker:
 
     def bind(self, policy: PolicyDescription, tokenizer: Any, adapter_name: str | None) -> None:
         self.sampler.bind(policy, tokenizer, adapter_name=adapter_name)
+
+    def placement(self) -> dict[str, Any]:
+        """Where this actor runs, as Ray reports it from inside: node, placement group, resources it holds."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return {"node_id": context.get_node_id(), "placement_group_id": context.get_placement_group_id(),
+                "pid": os.getpid(), "resources": context.get_assigned_resources(),
+                "devices": {v: os.environ[v] for v in VISIBLE_DEVICES.values() if v in os.environ}}
 
     def receive_weights(self, update: WeightUpdate) -> int:
         self.sampler.receive_weights(update)
@@ -96,12 +113,13 @@ class RaySampler(Sampler):
     name = "ray"
     weight_sync = "push"
 
-    def __init__(self, *, inner: dict[str, Any] | None = None, num_cpus: float = 1.0, num_gpus: float = 0.0,
-                 timeout_s: float = 600.0, weight_transport: str = "channel",
+    def __init__(self, *, inner: dict[str, Any] | None = None, placement: str = "split", num_cpus: float | None = None,
+                 num_gpus: float | None = None, timeout_s: float = 600.0, weight_transport: str = "channel",
                  bucket_mb: float = DEFAULT_BUCKET_BYTES / (1 << 20), **options: Any) -> None:
         if options:
-            raise ConfigError(f"unknown ray sampler option(s) {sorted(options)}; known: inner, num_cpus, num_gpus, "
-                              f"timeout_s, weight_transport, bucket_mb")
+            raise ConfigError(f"unknown ray sampler option(s) {sorted(options)}; known: inner, placement, num_cpus, "
+                              f"num_gpus, timeout_s, weight_transport, bucket_mb")
+        sampler_placement.check_placement(placement, num_cpus, num_gpus)
         if weight_transport not in TRANSPORTS:
             raise ConfigError(f"the ray sampler's weight_transport must be one of {', '.join(TRANSPORTS)}, got "
                               f"{weight_transport!r}")
@@ -111,12 +129,18 @@ class RaySampler(Sampler):
         if not isinstance(inner.get("name"), str):
             raise ConfigError("the ray sampler's option inner must name a sampler, e.g. {name: hf_generate, "
                               "copy_weights: true}")
-        super().__init__(inner=inner, num_cpus=num_cpus, num_gpus=num_gpus, timeout_s=timeout_s,
+        super().__init__(inner=inner, placement=placement, num_cpus=num_cpus, num_gpus=num_gpus, timeout_s=timeout_s,
                          weight_transport=weight_transport, bucket_mb=bucket_mb)
-        self.inner, self.num_cpus, self.num_gpus, self.timeout_s = inner, num_cpus, num_gpus, float(timeout_s)
+        self.inner, self.placement, self.timeout_s = inner, placement, float(timeout_s)
+        self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.transport, self.bucket_bytes = weight_transport, max(int(bucket_mb * (1 << 20)), 1)
         self.actor: Any = None
         self.channel: WeightChannel | None = None
+
+    def overlap_refusal(self) -> str | None:
+        if self.placement == "colocated":
+            return sampler_placement.COLOCATED_OVERLAP
+        return super().overlap_refusal()
 
     def bind(self, model: Any, tokenizer: Any, *, adapter_name: str | None = None) -> None:
         super().bind(model, tokenizer, adapter_name=adapter_name)
@@ -129,13 +153,15 @@ class RaySampler(Sampler):
         # one actor for the whole job: rank 0 names it, every rank looks it up
         name = distributed.broadcast_object(f"twinkle-sampler-{uuid.uuid4().hex[:12]}")
         if distributed.rank() == 0:
-            worker = ray.remote(SamplerWorker).options(name=name, num_cpus=self.num_cpus, num_gpus=self.num_gpus,
-                                                       max_restarts=0)
-            self.actor = worker.remote(self.inner)
+            where = (sampler_placement.colocated(distributed.rank()) if self.placement == "colocated"
+                     else sampler_placement.split(self.num_cpus, self.num_gpus))
+            worker = ray.remote(SamplerWorker).options(name=name, max_restarts=0, **where.options)
+            self.actor = worker.remote(self.inner, where.env)
             policy = PolicyDescription(config=model.export_config(),
-                                       trust_remote_code=getattr(model, "trust_remote_code", None),
-                                       device="cuda" if self.num_gpus else "cpu")
+                                       trust_remote_code=getattr(model, "trust_remote_code", None), device=where.device)
             self._get(self.actor.bind.remote(policy, tokenizer, adapter_name), "bind")
+            if where.bundle is not None:  # where Ray says the actor runs, asked from inside it
+                sampler_placement.check_colocated(self._get(self.actor.placement.remote(), "placement"), where.bundle)
             if self.transport == "channel":
                 self._open_channel()
         distributed.barrier()
@@ -172,7 +198,10 @@ class RaySampler(Sampler):
 
     def sample(self, prompts: list[list[int]], *, n: int, params: SamplingParams,
                seeds: list[list[int]]) -> list[list[Completion]]:
-        return self._get(self.actor.sample.remote(prompts, n, params, seeds), "sample")
+        completions = self._get(self.actor.sample.remote(prompts, n, params, seeds), "sample")
+        if self.placement == "colocated":
+            distributed.barrier()  # the bundle is shared: no rank trains while the actor generates for another
+        return completions
 
     def _get(self, future: Any, call: str) -> Any:
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError

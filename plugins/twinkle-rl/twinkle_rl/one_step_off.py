@@ -39,10 +39,9 @@ from twinkle_rl.rollout import RewardReport, Rollout, RolloutEngine, RolloutStat
 
 
 def check_one_step_off(engine: RolloutEngine) -> None:
-    if engine.sampler.weight_sync != "push":
-        raise ConfigError("task_options.one_step_off samples while the policy trains, so the sampler needs its own "
-                          "copy of the weights: set task_options.sampler.copy_weights: true (hf_generate) or use a "
-                          "sampler with weight_sync 'push'")
+    refusal = engine.sampler.overlap_refusal()
+    if refusal is not None:
+        raise ConfigError(f"task_options.one_step_off samples while the policy trains, so {refusal}")
     if engine.dynamic_sampling:
         raise ConfigError("task_options.one_step_off cannot be combined with dynamic_sampling (it would draw more "
                           "prompts from the background thread); turn one of them off")
