@@ -12,7 +12,7 @@ import os
 import nox
 
 nox.options.default_venv_backend = "none"
-nox.options.sessions = ["lint", "core", "hf", "megatron", "npu", "ray", "embedding", "rl", "vlm", "conformance"]
+nox.options.sessions = ["lint", "core", "hf", "megatron", "npu", "ray", "server", "embedding", "rl", "vlm", "conformance"]
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
@@ -78,6 +78,13 @@ def ray(session: nox.Session) -> None:
 
 
 @nox.session
+def server(session: nox.Session) -> None:
+    """twinkle-server: the scheduler, tenancy and registry; a real `twinkle serve` on loopback driven by the
+    unmodified Tinker SDK and by the native client; kill -9 and restart; the console in headless chromium."""
+    _pytest(session, "twinkle-server/tests", "-m", "not slow")
+
+
+@nox.session
 def vlm(session: nox.Session) -> None:
     """plugins/twinkle-vlm: data formats, the vlm task, per-part training, strategies, export, the quickstart."""
     _pytest(session, "plugins/twinkle-vlm/tests", "-m", "not slow")
@@ -117,7 +124,7 @@ def parity(session: nox.Session, threads: str) -> None:
     """The parity tests with THREADS threads per process (CI runs both through scripts/test.sh)."""
     _bootstrap(session)
     session.run(*PYTEST, "tests", "twinkle-backend-hf/tests", "twinkle-backend-megatron/tests",
-                "twinkle-backend-npu/tests", "twinkle-ray/tests", "plugins",
+                "twinkle-backend-npu/tests", "twinkle-ray/tests", "twinkle-server/tests", "plugins",
                 "-m", "parity and not slow", *session.posargs, env={**ENV, "TWINKLE_TEST_THREADS": threads},
                 external=True, success_codes=[0])
 

@@ -19,7 +19,7 @@ pip install -r requirements/dev.txt
 stamp="$VENV/.twinkle-installed"
 if [ ! -f "$stamp" ] || [ -n "$(find . -name pyproject.toml -newer "$stamp" -not -path "./$VENV/*" -not -path "./.nox/*" | head -1)" ]; then
     args=(-e .)
-    for dist in twinkle-backend-hf twinkle-backend-megatron twinkle-backend-npu twinkle-ray plugins/*/; do
+    for dist in twinkle-backend-hf twinkle-backend-megatron twinkle-backend-npu twinkle-ray twinkle-server plugins/*/; do
         [ -f "$dist/pyproject.toml" ] && args+=(-e "$dist")
     done
     pip install "${args[@]}"

@@ -10,7 +10,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/twinkle/torch_e
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TWINKLE_NO_PROGRESS=1
 paths=(tests)
-for dist in twinkle-backend-hf twinkle-backend-megatron twinkle-backend-npu twinkle-ray plugins/*/; do
+for dist in twinkle-backend-hf twinkle-backend-megatron twinkle-backend-npu twinkle-ray twinkle-server plugins/*/; do
     [ -d "$dist/tests" ] && paths+=("${dist%/}/tests")
 done
 run_pytest() {

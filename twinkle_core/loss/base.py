@@ -18,6 +18,13 @@ class LossOutput:
     The model divides accumulated gradients by the *global* ``num_tokens`` before the optimizer
     step, which is what makes gradient accumulation and data parallelism exact. A loss that is
     already a mean reports ``num_tokens=1``.
+
+    ``num_tokens=0`` means "do not normalise": the window's loss divisor is ``max(1, 0) = 1`` and the
+    normalisation factor ``Strategy.gradient_scale(0)`` is ``1 / max(0, 1) = 1`` (times the ranks a
+    data-parallel wrapper averages over, so that the result is a sum over ranks too), so the gradients of
+    every ``forward_backward`` call up to the optimizer step are summed exactly as they are (the
+    sum-loss semantics of Tinker's losses). Every call of the window must then report ``0``: one that
+    reports a count makes the step divide the whole window by it.
     """
 
     loss: torch.Tensor

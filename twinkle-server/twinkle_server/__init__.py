@@ -1,0 +1,1 @@
+"""Twinkle's training service: base models hosted for many tenants over HTTP."""
