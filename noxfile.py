@@ -132,7 +132,8 @@ def parity(session: nox.Session, threads: str) -> None:
 @nox.session
 def slow(session: nox.Session) -> None:
     """Long-running tests (quickstart accuracy, real-model fine-tuning)."""
-    _pytest(session, "tests", "twinkle-backend-hf/tests", "twinkle-backend-npu/tests", "plugins", "-m", "slow")
+    _pytest(session, "tests", "twinkle-backend-hf/tests", "twinkle-backend-npu/tests", "twinkle-ray/tests",
+            "twinkle-server/tests", "plugins", "-m", "slow")
 
 
 @nox.session

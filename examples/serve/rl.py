@@ -19,6 +19,7 @@ import os
 import random
 import statistics
 import time
+from pathlib import Path
 
 from chat_data import HERE, exact_match, load_tokenizer, prompt_tokens, read_chats
 
@@ -47,15 +48,17 @@ def main() -> int:
     parser.add_argument("--base-url", default=os.environ.get("TINKER_BASE_URL", "http://127.0.0.1:8765"))
     parser.add_argument("--api-key", default=os.environ.get("TINKER_API_KEY", "tml-example-alice"))
     parser.add_argument("--state", default=None, help="a saved state to start from (default: train_sft.py's)")
+    parser.add_argument("--sft-result", default=str(HERE.parents[1] / "outputs" / "serve-sft.json"),
+                        help="train_sft.py's --result file, read when --state is not given")
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--eval-size", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    state = args.state or json.loads((HERE.parents[1] / "outputs" / "serve-sft.json").read_text())["state"]
+    state = args.state or json.loads(open(args.sft_result).read())["state"]
     tokenizer = load_tokenizer()
     train, held_out = read_chats("train.jsonl"), read_chats("eval.jsonl")[: args.eval_size]
     service = tinker.ServiceClient(base_url=args.base_url, api_key=args.api_key)
@@ -90,7 +93,7 @@ def main() -> int:
     first, last = rewards_per_iteration[:3], rewards_per_iteration[-3:]
     print(f"mean reward: first 3 iterations {statistics.fmean(first):.3f} -> last 3 {statistics.fmean(last):.3f}; "
           f"held-out exact match {before:.3f} -> {after:.3f} ({time.time() - start:.0f} s)")
-    out = HERE.parents[1] / "outputs" / "serve-rl.json"
+    out = Path(args.sft_result).with_name("serve-rl.json")
     out.write_text(json.dumps({"rewards": rewards_per_iteration, "exact_match_before": before,
                                "exact_match_after": after}))
     return 0

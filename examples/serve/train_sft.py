@@ -6,7 +6,7 @@
 The base model is the quickstart's architecture, randomly initialised by the server; a rank-64 LoRA on every
 linear layer and the LM head learns the string transformations. Everything goes over HTTP: forward_backward
 (cross_entropy), optim_step (AdamW with warm-up and cosine decay computed here), save_state, and a sampling client
-for the evaluation. The last state's path is written to outputs/serve-sft.json for rl.py.
+for the evaluation. The last state's path is written to outputs/serve-sft.json for rl.py (--result).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import math
 import os
 import random
 import time
+from pathlib import Path
 
 from chat_data import HERE, chat_tokens, exact_match, load_tokenizer, read_chats, to_datum
 
@@ -42,6 +43,8 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--eval-size", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--result", default=str(HERE.parents[1] / "outputs" / "serve-sft.json"),
+                        help="where the saved state's path and the score are written (rl.py reads it)")
     args = parser.parse_args()
 
     tokenizer = load_tokenizer()
@@ -66,7 +69,7 @@ def main() -> int:
     sampler = client.save_weights_and_get_sampling_client("sft-final-sampler")
     score = exact_match(sampler, tokenizer, held_out)
     print(f"held-out exact match: {score:.3f} on {len(held_out)} chats ({time.time() - start:.0f} s); state {state}")
-    out = HERE.parents[1] / "outputs" / "serve-sft.json"
+    out = Path(args.result)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"state": state, "exact_match": score, "steps": args.steps}))
     return 0

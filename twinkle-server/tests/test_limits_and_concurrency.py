@@ -145,3 +145,25 @@ def download_adapter(urls: dict[str, str], directory: Path) -> dict[str, torch.T
     with urllib.request.urlopen(urls["adapter_model.safetensors"], timeout=30) as response:
         (directory / "adapter_model.safetensors").write_bytes(response.read())
     return load_file(str(directory / "adapter_model.safetensors"))
+
+
+def test_a_client_side_custom_loss_trains_through_the_sdk(server):
+    """``forward_backward_custom`` (the SDK computes the loss on the client from the returned log-probs and sends
+    its gradient back as cross_entropy weights) steps exactly like the same loss sent as cross_entropy."""
+    service = tinker.ServiceClient(base_url=server.base_url, api_key=KEYS["alice"])
+    custom = service.create_lora_training_client(base_model=TINY_BASE, rank=4, seed=21).result()
+    plain = service.create_lora_training_client(base_model=TINY_BASE, rank=4, seed=21).result()
+
+    def twice_the_nll(data, logprobs_list):
+        loss = sum(-(2.0 * lp).sum() for lp in logprobs_list)
+        return loss, {"twice_nll:sum": float(loss)}
+
+    batch = rows(7, 0)
+    result = custom.forward_backward_custom(datums(batch), twice_the_nll).result()
+    weighted = [types.Datum(model_input=types.ModelInput.from_ints(r[:-1]),
+                            loss_fn_inputs={"target_tokens": r[1:], "weights": [2.0] * (len(r) - 1)}) for r in batch]
+    expected = plain.forward_backward(weighted, "cross_entropy").result()
+    assert result.metrics["twice_nll:sum"] == pytest.approx(expected.metrics["loss:sum"], rel=1e-5)
+    for client in (custom, plain):
+        client.optim_step(types.AdamParams(learning_rate=LR)).result()
+    assert loss_now(custom) == loss_now(plain)

@@ -84,8 +84,8 @@ class _Lane:
 
 
 class Scheduler:
-    def __init__(self, *, max_queued_per_tenant: int = 64, keep_results_s: float = 3600.0,
-                 max_kept_per_tenant: int = 4096, on_finish: Callable[[_Request], None] | None = None) -> None:
+    def __init__(self, *, max_queued_per_tenant: int = 64, keep_results_s: float = 900.0,
+                 max_kept_per_tenant: int = 1024, on_finish: Callable[[_Request], None] | None = None) -> None:
         self.max_queued_per_tenant = max_queued_per_tenant
         self.keep_results_s = keep_results_s
         self.max_kept_per_tenant = max_kept_per_tenant
@@ -199,6 +199,7 @@ class Scheduler:
 
     def _finish(self, lane: _Lane | None, request: _Request) -> None:
         request.finished = time.time()
+        request.work = _done  # the closure holds the request's decoded batch: kept results must not keep it alive
         with self._lock:
             request.event.set()
             if lane is not None:
@@ -231,6 +232,10 @@ class Scheduler:
             self._finish(None, request)
         for lane in self._lanes.values():  # the running request finishes (a torn checkpoint is worse than a wait)
             lane.thread.join()
+
+
+def _done() -> None:
+    """What a finished request's ``work`` becomes."""
 
 
 def _resolve(future: asyncio.Future) -> None:
