@@ -90,6 +90,8 @@ def test_a_tenant_watches_its_loss_curve_grow(tmp_path: Path):
             assert screenshot.stat().st_size > 10_000
             print(f"console screenshot: {screenshot}")
 
+            service.close("success").result(timeout=60)  # the session ends while the server is up
+
             # another tenant's key shows none of alice's runs; a wrong key shows the error
             driver.execute_script("sessionStorage.clear()")
             driver.get(f"{server.base_url}/console")

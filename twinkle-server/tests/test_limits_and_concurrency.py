@@ -4,6 +4,7 @@ trained concurrently end with weights bitwise equal to training each alone, seri
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -89,12 +90,15 @@ def test_bad_and_oversized_requests_are_refused_without_touching_others(server):
         assert "max_queued_per_tenant=3" in refused[0].json()["error"], refused[0].text
         long_sample.result()
     assert loss_now(victim) == before  # nothing bob sent reached alice's adapter
+    for service in (alice, bob):  # finish the sessions while the server is up (no heartbeats left running)
+        service.close("success").result(timeout=60)
 
 
 def train_alone_in_process(seed: int, tenant: int, steps: int, directory: Path) -> dict[str, torch.Tensor]:
     from twinkle_server.host import AdamStep, Datum, ModelHost
 
-    torch.set_num_threads(1)  # the server runs with one thread too: same kernels, same rounding
+    # the server runs with TWINKLE_TEST_THREADS threads (ServerProcess): the same count gives the same rounding
+    torch.set_num_threads(int(os.environ.get("TWINKLE_TEST_THREADS", "1")))
     host = ModelHost(TINY_BASE, tiny_model_section(), state_dir=directory, max_lora_rank=32)
     host.create_adapter("alone", rank=4, seed=seed)
     for step in range(steps):
@@ -121,6 +125,7 @@ def test_two_tenants_trained_concurrently_equal_each_trained_alone(server, tmp_p
         export = client.save_weights_external("concurrent").result().path
         rest = tinker.RestClient(base_url=server.base_url, api_key=KEYS[name])
         exported[name] = rest.get_external_weights_urls(export).result().urls
+        service.close("success").result(timeout=60)
 
     threads = [threading.Thread(target=tenant, args=(name, i)) for i, name in enumerate(KEYS)]
     for thread in threads:
@@ -167,3 +172,4 @@ def test_a_client_side_custom_loss_trains_through_the_sdk(server):
     for client in (custom, plain):
         client.optim_step(types.AdamParams(learning_rate=LR)).result()
     assert loss_now(custom) == loss_now(plain)
+    service.close("success").result(timeout=60)

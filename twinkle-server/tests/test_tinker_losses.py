@@ -422,7 +422,7 @@ def test_stable_reinforce_has_no_public_definition():
 def test_custom_is_refused_pointing_at_the_server_config():
     with pytest.raises(UnsupportedLoss) as err:
         tinker_loss("custom", {"anything": 1.0})
-    assert "custom losses must be listed in the server config" in err.value.message
+    assert "run it on the client with forward_backward_custom" in err.value.message
 
 
 @pytest.mark.parametrize("name", ["grpo", "PPO", "", None, 3])

@@ -17,7 +17,6 @@
       max_body_mb: 64
       max_tokens_per_request: 262144
       max_queued_per_tenant: 64
-    custom_losses: []
     admins: [alice]            # tenants who see every tenant's runs in the console (/console)
 
 Unknown keys are errors naming the known ones, so a typo never silently falls back to a default.
@@ -71,7 +70,6 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     limits: Limits = field(default_factory=Limits)
-    custom_losses: tuple[str, ...] = ()
     #: tenants whose key also shows every tenant's runs in the console (read-only)
     admins: tuple[str, ...] = ()
 
@@ -177,8 +175,7 @@ def server_config(raw: dict[str, Any], *, base_dir: Path | None = None) -> Serve
     if unknown_admins:
         raise ConfigError(f"admins: {unknown_admins} are not configured tenants")
     return ServerConfig(base_models=base_models, tenants=tenants, state_dir=state_dir.resolve(), admins=admins,
-                        host=str(raw.get("host", "127.0.0.1")), port=port, limits=limits,
-                        custom_losses=tuple(raw.get("custom_losses") or ()))
+                        host=str(raw.get("host", "127.0.0.1")), port=port, limits=limits)
 
 
 def load_server_config(path: str | Path) -> ServerConfig:

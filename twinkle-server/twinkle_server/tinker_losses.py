@@ -44,7 +44,8 @@ Sources (formulas, input and output names, the ``loss:sum`` metric):
 
 Left out: ``stable_reinforce`` — its objective uses stability information Tinker records server-side at sampling
 time (``record_stability_info=True``, per-position ``sequence_id`` provenance) and the formula is not published.
-``custom`` — not a built-in: the server config lists the custom losses it accepts, and those are handled elsewhere.
+``custom`` — a loss uploaded to the server (``create_custom_loss``) is not supported: a custom loss runs on the
+client (``forward_backward_custom``, which the SDK sends as ``cross_entropy`` with the loss's gradient as weights).
 
 Padding: positions where ``mask`` is False contribute exactly 0 to the loss and get exactly 0 gradient, whatever
 values (even NaN) the padded inputs hold.
@@ -168,8 +169,8 @@ def _resolve_name(loss_fn: Any) -> _Spec:
         raise UnsupportedLoss(f"loss_fn must be a string naming a loss; supported: {_supported_list()}")
     if loss_fn == "custom":
         raise UnsupportedLoss(
-            "loss_fn 'custom' is not a built-in loss: custom losses must be listed in the server config "
-            f"(custom_losses) to be accepted; built-in losses: {_supported_list()}"
+            "loss_fn 'custom' (a loss uploaded to the server) is not supported here: run it on the client with "
+            f"forward_backward_custom, which needs no upload; built-in losses: {_supported_list()}"
         )
     if loss_fn in _NO_PUBLIC_DEFINITION:
         raise UnsupportedLoss(
