@@ -28,13 +28,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from twinkle_ray.testing import grpo_recipe
 
 from twinkle_core.errors import ConfigError
 from twinkle_core.testing.torchrun import thread_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 INNER = {"name": "hf_generate", "copy_weights": True}
 BUNDLE = re.compile(r"^bundle_group_(\d+)_([0-9a-f]+)$")
 #: what each actor in a bundle holds of the bundle's ``bundle_group_<index>_<group>`` resource (Ray's accounting)
@@ -44,23 +44,7 @@ COLOCATED_LINE = re.compile(r"ray sampler colocated with trainer rank 0: placeme
 
 
 def recipe(out: Path, sampler: dict, **task_options) -> dict:
-    """A tiny GRPO run: 3 steps of a 2-layer qwen2 of hidden size 32 (as tests/test_grpo_roles.py)."""
-    return {
-        "task": "grpo",
-        "task_options": {"num_generations": 4, "sampling": {"temperature": 1.0, "max_new_tokens": 6},
-                         "sampler": sampler, "rewards": ["twinkle_ray.testing:length_reward"], **task_options},
-        "model": {"class_name": "TransformersModel", "tokenizer": str(EXAMPLES / "quickstart" / "tokenizer"),
-                  "config": {"model_type": "qwen2", "vocab_size": 262, "hidden_size": 32, "intermediate_size": 64,
-                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                             "max_position_embeddings": 128, "tie_word_embeddings": True, "bos_token_id": 0,
-                             "eos_token_id": 0, "pad_token_id": 0}},
-        "precision": "no",
-        "strategy": {"name": "ddp"},
-        "data": {"train": str(EXAMPLES / "grpo" / "train.jsonl"), "batch_size": 2},
-        "optimizer": {"name": "AdamW", "lr": 1e-2, "weight_decay": 0.0},
-        "lr_scheduler": {"name": "constant"},
-        "train": {"output_dir": str(out), "max_steps": 3, "seed": 0, "log_every": 1, "eval_before_training": False},
-    }
+    return grpo_recipe(out, sampler=sampler, **task_options)
 
 
 def bundle_holders(ray) -> dict[tuple[str, int], int]:

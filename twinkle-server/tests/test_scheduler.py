@@ -122,3 +122,15 @@ def test_lanes_run_in_parallel(scheduler):
     quick = scheduler.submit("a", "quick", lambda: "ok", lane="model-2")
     assert scheduler.result("a", quick, 5).value == "ok"
     gate.set()
+
+
+def test_finished_results_are_kept_within_the_bounds(scheduler):
+    scheduler.max_kept_per_tenant = 2
+    ids = [scheduler.submit("a", "step", lambda i=i: i) for i in range(4)]
+    for request_id in ids:
+        scheduler.result("a", request_id, timeout_s=10)
+    latest = scheduler.submit("a", "step", lambda: "last")  # submitting forgets what is beyond the bound
+    scheduler.result("a", latest, timeout_s=10)
+    with pytest.raises(NotFound):
+        scheduler.peek("a", ids[0])
+    assert scheduler.peek("a", ids[3]).value == 3

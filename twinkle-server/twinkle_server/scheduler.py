@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +93,9 @@ class Scheduler:
         self._lock = threading.Condition()
         self._lanes: dict[str, _Lane] = {}
         self._requests: dict[str, _Request] = {}
+        #: per tenant: requests queued or running, and finished ones in the order they finished (kept for retrieval)
+        self._pending: Counter[str] = Counter()
+        self._finished: defaultdict[str, deque[_Request]] = defaultdict(deque)
         self._accepting = True
         self._stopping = False
 
@@ -102,7 +105,7 @@ class Scheduler:
             if not self._accepting:
                 raise Unavailable("the server is shutting down and accepts no new work; retry against the restarted "
                                   "server")
-            pending = sum(1 for r in self._requests.values() if r.tenant == tenant and not r.done)
+            pending = self._pending[tenant]
             if pending >= self.max_queued_per_tenant:
                 raise TooManyRequests(f"tenant {tenant} has {pending} requests queued or running (limit "
                                       f"max_queued_per_tenant={self.max_queued_per_tenant}); wait for their results "
@@ -110,6 +113,7 @@ class Scheduler:
             request = _Request(request_id=f"req-{uuid.uuid4().hex}", tenant=tenant, kind=kind, lane=lane, work=work,
                                submitted=time.time())
             self._requests[request.request_id] = request
+            self._pending[tenant] += 1
             self._lane(lane).queues.setdefault(tenant, deque()).append(request)
             self._forget_old(tenant)
             self._lock.notify_all()
@@ -123,13 +127,11 @@ class Scheduler:
         return lane
 
     def _forget_old(self, tenant: str) -> None:
-        now = time.time()
-        finished = [r for r in self._requests.values() if r.tenant == tenant and r.done]
-        finished.sort(key=lambda r: r.finished or 0.0)
-        excess = len(finished) - self.max_kept_per_tenant
-        for index, request in enumerate(finished):
-            if index < excess or now - (request.finished or now) > self.keep_results_s:
-                del self._requests[request.request_id]
+        """Drop the tenant's oldest finished results beyond ``max_kept_per_tenant`` or ``keep_results_s``."""
+        finished, now = self._finished[tenant], time.time()
+        while finished and (len(finished) > self.max_kept_per_tenant
+                            or now - finished[0].finished > self.keep_results_s):
+            del self._requests[finished.popleft().request_id]
 
     # ------------------------------------------------------------------ results
     def _request(self, tenant: str, request_id: str) -> _Request:
@@ -202,6 +204,8 @@ class Scheduler:
         request.work = _done  # the closure holds the request's decoded batch: kept results must not keep it alive
         with self._lock:
             request.event.set()
+            self._pending[request.tenant] -= 1
+            self._finished[request.tenant].append(request)
             if lane is not None:
                 lane.current = None
             waiters, request.waiters = request.waiters, []
