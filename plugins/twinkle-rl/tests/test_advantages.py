@@ -374,3 +374,50 @@ def test_non_finite_estimator_options_are_refused():
         reinforce_pp_advantages(random_rewards(), eps=float("inf"))
     with pytest.raises(ConfigError, match=r"whiten: eps"):
         whiten(torch.ones(2, 2), torch.ones(2, 2, dtype=torch.bool), eps=-1.0)
+
+
+# --------------------------------------------------------------------------- REINFORCE++ over tokens
+
+
+def ref_reinforce_pp_tokens(rows, counts, eps=1e-8):
+    """Hu et al. 2025, eq. 8-10 with an outcome reward: every trained token of a completion has the return r;
+    the per-token returns are whitened over all tokens of the batch (population std)."""
+    tokens = [x for row, row_counts in zip(rows, counts) for x, k in zip(row, row_counts) for _ in range(int(k))]
+    m = mean(tokens)
+    std = math.sqrt(sum((x - m) ** 2 for x in tokens) / len(tokens))
+    return [[(x - m) / (std + eps) for x in row] for row in rows]
+
+
+def random_counts(groups, n, seed=0, low=1, high=40):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high + 1, (groups, n), generator=g).to(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_reinforce_pp_normalises_over_tokens_not_completions(dtype):
+    r = random_rewards(groups=17, n=4, dtype=dtype, seed=5)
+    counts = random_counts(17, 4, seed=5)
+    token_level = reinforce_pp_advantages(r, token_counts=counts)
+    assert_matches(token_level, ref_reinforce_pp_tokens(r.double().tolist(), counts.tolist()), dtype)
+    # with lengths 1-40 the completion-level normalisation is a different estimator (the issue's bug)
+    assert float((token_level - reinforce_pp_advantages(r)).abs().max()) > 0.05
+    # equal lengths: both normalisations agree
+    torch.testing.assert_close(reinforce_pp_advantages(r, token_counts=torch.full_like(counts, 7.0)),
+                               reinforce_pp_advantages(r))
+
+
+def test_reinforce_pp_over_tokens_two_ranks_equal_one_process():
+    r, counts = random_rewards(groups=6, n=4, seed=3), random_counts(6, 4, seed=3)
+    shards = ((r[:2], counts[:2]), (r[2:], counts[2:]))
+    per_rank = on_two_ranks(lambda x, gs: ESTIMATORS["reinforce_pp"](x[0], global_sum=gs, token_counts=x[1]),
+                            shards)
+    torch.testing.assert_close(torch.cat(per_rank), reinforce_pp_advantages(r, token_counts=counts),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_reinforce_pp_token_counts_are_checked():
+    r = random_rewards(groups=2, n=3)
+    with pytest.raises(ValueError, match="shape"):
+        reinforce_pp_advantages(r, token_counts=torch.ones(3, 2))
+    with pytest.raises(ValueError, match=">= 0"):
+        reinforce_pp_advantages(r, token_counts=-torch.ones(2, 3))

@@ -438,3 +438,16 @@ def test_one_step_off_resume_is_exact(tmp_path, prompts_file):
             assert resumed[step].get(key) == whole[step].get(key), (step, key, resumed[step], whole[step])
     a, b = final_weights(tmp_path / "whole"), final_weights(tmp_path / "resumed")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dr_grpo_gets_the_generation_limit_as_its_constant_length():
+    """Dr. GRPO divides by a constant L; without one it fell back to each micro-batch's padded width (prompt
+    included), which changes from batch to batch. The task hands it the sampler's max_new_tokens; a recipe's
+    loss.options still win (the trainer merges them over loss_options)."""
+    from twinkle_rl.online_task import OnlineRLTask
+
+    task = OnlineRLTask(sampling={"max_new_tokens": 8, "temperature": 0.7},
+                        rewards=[{"name": "exact_match", "options": {"field": "answer"}}])
+    assert task.loss_options("dr_grpo") == {"temperature": 0.7, "max_completion_length": 8}
+    assert task.loss_options("grpo") == {"temperature": 0.7}
+    assert task.loss_options("dpo") == {}

@@ -143,3 +143,24 @@ def test_a_group_without_any_score_trains_nothing_and_is_left_out_of_the_advanta
     torch.testing.assert_close(rollout.advantages[1:], expected)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "no_score_for_prompt_0" in warnings[0] and "1 of the 3 prompts" in warnings[0]
+
+
+def test_reinforce_pp_weighs_each_completion_by_its_trained_tokens():
+    """The rollout hands REINFORCE++ each completion's trained tokens: a long answer weighs its length in the
+    batch mean and std (Hu et al. 2025), and an overlong-filtered one, which trains nothing, weighs 0."""
+    lengths = {(0, 0): 1, (0, 1): 9, (1, 0): 4, (1, 1): 3}
+    texts = {(0, 0): "good", (0, 1): "bad", (1, 0): "bad", (1, 1): "bad"}
+
+    def script(i, j):
+        return completion(texts[i, j], lengths[i, j], "length" if (i, j) == (1, 0) else "stop")
+
+    for overlong_filter in (False, True):
+        eng = RolloutEngine(sampler=ScriptedSampler(script), rewards=RewardSet([score_text]),
+                            params=SamplingParams(max_new_tokens=9), num_generations=N, estimator="reinforce_pp",
+                            estimator_options={}, seed=7, pad_token_id=0, overlong_filter=overlong_filter)
+        rollout = eng.run(draws([0, 1]), 0, RolloutStats())
+        r = rollout.rewards.double()
+        weights = torch.tensor([[1.0, 9.0], [0.0 if overlong_filter else 4.0, 3.0]], dtype=torch.float64)
+        m = (r * weights).sum() / weights.sum()
+        std = (((r - m) ** 2 * weights).sum() / weights.sum()).sqrt()
+        torch.testing.assert_close(rollout.advantages.double(), (r - m) / (std + 1e-8))

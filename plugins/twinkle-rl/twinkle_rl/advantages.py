@@ -123,8 +123,9 @@ def _reduce(sums: torch.Tensor, global_sum: GlobalSum | None) -> torch.Tensor:
 
 def _global_moments(x: torch.Tensor, mask: torch.Tensor | None,
                     global_sum: GlobalSum | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(mean, population variance, 1 / s)``: the moments of ``x / s`` (where ``mask``) over all ranks, in
-    float64, ``s`` a power of two.
+    """``(mean, population variance, 1 / s)``: the moments of ``x / s`` over all ranks, in float64, ``s`` a
+    power of two. ``mask`` weighs each element (a 0/1 mask, or counts: an element of weight ``k`` counts as
+    ``k`` equal elements); ``None`` weighs every element 1.
 
     One all-reduce of ``[sum x, sum x^2, count, probe]``: ``s`` is 1 unless those sums overflow (values beyond
     about ``1e154``); then ``probe``, the sum over the ranks of ``2 ** (e - 1023)`` for each rank's largest
@@ -151,20 +152,33 @@ def _global_moments(x: torch.Tensor, mask: torch.Tensor | None,
     return mean, variance, inverse
 
 
-def reinforce_pp_advantages(rewards: torch.Tensor, *, eps: float = 1e-8,
+def reinforce_pp_advantages(rewards: torch.Tensor, *, token_counts: torch.Tensor | None = None, eps: float = 1e-8,
                             global_sum: GlobalSum | None = None) -> torch.Tensor:
-    """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs"):
+    """REINFORCE++ (Hu et al. 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs", eq. 8-10):
 
-        A = (r - mean_batch(r)) / (std_batch(r) + eps)
+        A_t = (r - mean_tokens(r)) / (std_tokens(r) + eps)
 
-    normalised over the whole global batch (all prompts, all samples, all ranks via ``global_sum``) rather
-    than per group. ``std`` is the population (``N``) standard deviation: it is what the global sums give
-    without a special case for ``N = 1``, and over a global batch ``N`` vs ``N - 1`` is immaterial. The
-    paper's per-token KL penalty belongs to the reward / loss, not to this normalisation.
+    The outcome reward ``r`` of a completion is its return at each of its tokens (``gamma = 1``), and the
+    per-token returns are normalised over every trained token of the global batch (all prompts, all samples,
+    all ranks via ``global_sum``), as the paper and its authors' implementation (OpenRLHF) do: a completion of
+    ``L`` tokens weighs ``L`` in the mean and the std. ``token_counts`` (shaped like ``rewards``) gives each
+    completion's number of trained tokens; the rollout always passes it. Without it every completion weighs
+    one (a completion-level normalisation, only for callers that have no lengths). All tokens of a completion
+    share one advantage, so the result keeps ``rewards``' shape.
+
+    ``std`` is the population (``N``) standard deviation: it is what the global sums give without a special
+    case for ``N = 1``, and over a global batch ``N`` vs ``N - 1`` is immaterial. The paper's per-token KL
+    penalty belongs to the reward / loss, not to this normalisation.
     """
     eps = finite_number("advantage_options.eps", eps, low=0.0, low_open=True)
     r = _floating(rewards)
-    mean, variance, inverse = _global_moments(r, None, global_sum)
+    if token_counts is not None:
+        if token_counts.shape != rewards.shape:
+            raise ValueError(f"reinforce_pp_advantages: token_counts {tuple(token_counts.shape)} must have the "
+                             f"rewards' shape {tuple(rewards.shape)}")
+        if bool((token_counts < 0).any()):
+            raise ValueError("reinforce_pp_advantages: token_counts must be >= 0")
+    mean, variance, inverse = _global_moments(r, token_counts, global_sum)
     advantages = (r.to(torch.float64) * inverse - mean) / (variance.sqrt() + eps * inverse)
     return _like(advantages, rewards)
 
@@ -278,25 +292,31 @@ def overlong_mask(finish_reasons: Sequence[str], device: torch.device | str | No
 # --------------------------------------------------------------------------- recipe names
 
 
-def _grpo(rewards: torch.Tensor, global_sum: GlobalSum | None = None, **options: Any) -> torch.Tensor:
+def _grpo(rewards: torch.Tensor, global_sum: GlobalSum | None = None,
+          token_counts: torch.Tensor | None = None, **options: Any) -> torch.Tensor:
     return grpo_advantages(rewards, **options)  # per group: every group lives whole on one rank
 
 
-def _dr_grpo(rewards: torch.Tensor, global_sum: GlobalSum | None = None, **options: Any) -> torch.Tensor:
+def _dr_grpo(rewards: torch.Tensor, global_sum: GlobalSum | None = None,
+             token_counts: torch.Tensor | None = None, **options: Any) -> torch.Tensor:
     if "scale_by_std" in options:
         raise ConfigError("dr_grpo never scales by the std; use 'grpo' with scale_by_std to choose")
     return grpo_advantages(rewards, scale_by_std=False, **options)
 
 
-def _rloo(rewards: torch.Tensor, global_sum: GlobalSum | None = None, **options: Any) -> torch.Tensor:
+def _rloo(rewards: torch.Tensor, global_sum: GlobalSum | None = None,
+          token_counts: torch.Tensor | None = None, **options: Any) -> torch.Tensor:
     return rloo_advantages(rewards, **options)
 
 
-def _reinforce_pp(rewards: torch.Tensor, global_sum: GlobalSum | None = None, **options: Any) -> torch.Tensor:
-    return reinforce_pp_advantages(rewards, global_sum=global_sum, **options)
+def _reinforce_pp(rewards: torch.Tensor, global_sum: GlobalSum | None = None,
+                  token_counts: torch.Tensor | None = None, **options: Any) -> torch.Tensor:
+    return reinforce_pp_advantages(rewards, token_counts=token_counts, global_sum=global_sum, **options)
 
 
-#: a recipe's advantage name -> ``(rewards [num_groups, n], global_sum=None, **options) -> [num_groups, n]``
+#: a recipe's advantage name -> ``(rewards [num_groups, n], global_sum=None, token_counts=None, **options) ->
+#: [num_groups, n]``; ``token_counts`` (each completion's trained tokens) matters to the token-level REINFORCE++
+#: only: the group estimators are per sequence, as in their papers
 ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
     "grpo": _grpo,
     "dr_grpo": _dr_grpo,

@@ -28,7 +28,8 @@ every optimizer step the sampler is brought to the new weights (``Task.after_ste
 * ``seed``: of the sampling (default 0; every completion is seeded by its rollout, prompt and index, so
   the completions do not depend on the number of ranks, and a resumed run samples the same ones).
 
-The loss defaults to ``grpo``; its ``temperature`` defaults to the sampling temperature (``loss_options``).
+The loss defaults to ``grpo``; its ``temperature`` defaults to the sampling temperature, and ``dr_grpo``'s
+constant ``max_completion_length`` to the sampling ``max_new_tokens`` (``loss_options``; ``loss.options`` win).
 
 Gradient accumulation. One rollout (``data.batch_size`` prompts x ``num_generations`` completions per rank) is
 sampled, scored and turned into advantages whole, then cut into micro-batches for ``forward_backward``; the
@@ -237,7 +238,10 @@ class OnlineRLTask(Task):
         return self.ppo_epochs * per_pass
 
     def loss_options(self, loss_name: str) -> dict[str, Any]:
-        return {"temperature": self.params.temperature or 1.0} if loss_name in POLICY_LOSSES else {}
+        options: dict[str, Any] = {"temperature": self.params.temperature or 1.0} if loss_name in POLICY_LOSSES else {}
+        if loss_name == "dr_grpo":  # Dr. GRPO's constant length: the generation limit (the recipe's loss.options win)
+            options["max_completion_length"] = self.params.max_new_tokens
+        return options
 
     # ------------------------------------------------------------------ set-up
     def _pad_token_id(self) -> int:

@@ -238,30 +238,33 @@ class RolloutEngine:
         report.warn(len(kept))
         return self._build(kept, stats, report)
 
-    def _advantages(self, rewards: torch.Tensor, scored: torch.Tensor, report: RewardReport) -> torch.Tensor:
+    def _advantages(self, rewards: torch.Tensor, scored: torch.Tensor, token_counts: torch.Tensor,
+                    report: RewardReport) -> torch.Tensor:
         """The estimator's advantages over the scored groups (0 for the others, and for PPO: its critic's GAE
-        replaces them after the rollout)."""
+        replaces them after the rollout). ``token_counts [groups, n]``: each completion's trained tokens."""
         advantages = torch.zeros_like(rewards)
         if self.estimator is not None:  # only batch-normalising estimators reduce over the ranks
-            advantages[scored] = self.estimator(rewards[scored], global_sum=self.dp.sum, **self.estimator_options)
+            advantages[scored] = self.estimator(rewards[scored], global_sum=self.dp.sum,
+                                                token_counts=token_counts[scored], **self.estimator_options)
             check_advantages(advantages, report)
         return advantages
 
     def _build(self, kept: list[Scored], stats: RolloutStats, report: RewardReport) -> Rollout:
         rewards = torch.stack([g.rewards for g in kept]) if kept else torch.zeros(0, self.n, dtype=torch.float64)
         scored = torch.tensor([g.scored for g in kept], dtype=torch.bool)
-        advantages = self._advantages(rewards, scored, report)
         completions = [c for g in kept for c in g.completions]
+        lengths = completion_lengths(completions)
+        truncated = torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.bool)
+        trained = torch.where(truncated, 0.0, lengths) if self.overlong_filter else lengths
+        advantages = self._advantages(rewards, scored, trained.reshape(len(kept), self.n), report)
         prompts = [g.feature.prompt_ids for g in kept for _ in range(self.n)]
         batch = experience_batch(prompts, completions, pad_token_id=self.pad_token_id)
         batch["advantages"] = advantages.reshape(-1).to(torch.float32)
         without_score = (~scored).repeat_interleave(self.n)
         batch["labels"][without_score] = IGNORE_INDEX  # no score for the prompt: the group trains nothing
         stats.add("groups_without_score", float((~scored).sum()))
-        truncated = torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.bool)
         if self.overlong_filter and truncated.any():
             batch["labels"][truncated] = IGNORE_INDEX  # DAPO overlong filtering: a cut answer teaches nothing either way
-        lengths = completion_lengths(completions)
         stats.add("completions", len(completions))
         stats.add("reward", float(rewards.sum()))
         stats.add("reward_sq", float((rewards ** 2).sum()))
