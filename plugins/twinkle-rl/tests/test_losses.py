@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from twinkle_rl.layout import PREFERENCE_PAIRS, PairLayoutError
 from twinkle_rl.losses import DPOLoss, ORPOLoss, SimPOLoss
 
@@ -107,9 +108,19 @@ def naive_pairs(logits, inputs):
     return [(*p["chosen"][:2], *p["rejected"][:2], p["chosen"][2], p["rejected"][2]) for p in found.values()]
 
 
-def naive_dpo(logits, inputs, beta, loss_type, ls=0.0, sft=0.0, reference_free=False):
-    total = 0.0
-    for c, nc, r, nr, rc, rr in naive_pairs(logits, inputs):
+def naive_sft(rows, sft, norm):
+    """The SFT term summed over pairs (the losses return sums over pairs): ``"answer"`` adds each chosen answer's
+    mean NLL; ``"batch_tokens"`` adds, for each of the P pairs, the NLL mean over all chosen answer tokens."""
+    if norm == "answer":
+        return sum(sft * (-c / nc) for c, nc, *_ in rows)
+    token_mean = sum(-c for c, *_ in rows) / sum(nc for _, nc, *_ in rows)
+    return sft * len(rows) * token_mean
+
+
+def naive_dpo(logits, inputs, beta, loss_type, ls=0.0, sft=0.0, reference_free=False, norm="answer"):
+    rows = naive_pairs(logits, inputs)
+    total = naive_sft(rows, sft, norm)
+    for c, nc, r, nr, rc, rr in rows:
         if reference_free:
             rc = rr = 0.0
         h = (c - rc) - (r - rr)
@@ -122,25 +133,29 @@ def naive_dpo(logits, inputs, beta, loss_type, ls=0.0, sft=0.0, reference_free=F
             loss = (h_avg - 1 / (2 * beta)) ** 2
         else:  # robust DPO, Chowdhury et al. 2024, eq. 10
             loss = ((1 - ls) * -log_sigmoid(beta * h) + ls * log_sigmoid(-beta * h)) / (1 - 2 * ls)
-        total = total + loss + sft * (-c / nc)
+        total = total + loss
     return total
 
 
-def naive_simpo(logits, inputs, beta, gamma, ls=0.0, sft=0.0):
-    total = 0.0
-    for c, nc, r, nr, _, _ in naive_pairs(logits, inputs):
+def naive_simpo(logits, inputs, beta, gamma, ls=0.0, sft=0.0, norm="answer"):
+    rows = naive_pairs(logits, inputs)
+    total = naive_sft(rows, sft, norm)
+    for c, nc, r, nr, _, _ in rows:
         z = beta / nc * c - beta / nr * r - gamma
-        total = total - (1 - ls) * log_sigmoid(z) - ls * log_sigmoid(-z) + sft * (-c / nc)
+        total = total - (1 - ls) * log_sigmoid(z) - ls * log_sigmoid(-z)
     return total
 
 
-def naive_orpo(logits, inputs, beta):
-    total = 0.0
-    for c, nc, r, nr, _, _ in naive_pairs(logits, inputs):
-        pw, pl = c / nc, r / nr  # log P(y|x), the per-token average (ORPO eq. 4)
-        odds_w = pw - torch.log(1 - torch.exp(pw))
-        odds_l = pl - torch.log(1 - torch.exp(pl))
-        total = total - pw - beta * log_sigmoid(odds_w - odds_l)
+def naive_log_odds(mean_logp):
+    """ORPO eq. 4: log(P / (1 - P)) of the per-token average log-likelihood P."""
+    return mean_logp - torch.log(1 - torch.exp(mean_logp))
+
+
+def naive_orpo(logits, inputs, beta, norm="answer"):
+    rows = naive_pairs(logits, inputs)
+    total = naive_sft(rows, 1.0, norm)
+    for c, nc, r, nr, _, _ in rows:
+        total = total - beta * log_sigmoid(naive_log_odds(c / nc) - naive_log_odds(r / nr))
     return total
 
 
@@ -165,16 +180,21 @@ def check(loss_fn, naive, logits, inputs):
 # --------------------------------------------------------------------------- values and gradients
 
 
+NORMS = ["answer", "batch_tokens"]
+
+
+@pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("loss_type,beta,ls,sft", [
     ("sigmoid", 0.1, 0.0, 0.0), ("sigmoid", 0.5, 0.2, 0.0), ("sigmoid", 0.3, 0.1, 0.7),
     ("hinge", 0.5, 0.0, 0.0), ("hinge", 0.05, 0.0, 1.0),
     ("ipo", 0.1, 0.0, 0.0), ("ipo", 0.5, 0.0, 0.3),
     ("robust", 0.3, 0.0, 0.0), ("robust", 0.3, 0.2, 0.0), ("robust", 0.2, 0.45, 0.5),
 ])
-def test_dpo_matches_reference(loss_type, beta, ls, sft):
+def test_dpo_matches_reference(loss_type, beta, ls, sft, norm):
     logits, inputs, _ = preference_batch(seed=1)
-    loss_fn = DPOLoss(beta=beta, loss_type=loss_type, label_smoothing=ls, sft_weight=sft, chunk_size=4)
-    check(loss_fn, lambda lg, inp: naive_dpo(lg, inp, beta, loss_type, ls, sft), logits, inputs)
+    loss_fn = DPOLoss(beta=beta, loss_type=loss_type, label_smoothing=ls, sft_weight=sft, sft_normalization=norm,
+                      chunk_size=4)
+    check(loss_fn, lambda lg, inp: naive_dpo(lg, inp, beta, loss_type, ls, sft, norm=norm), logits, inputs)
 
 
 def test_dpo_robust_without_noise_is_sigmoid_dpo():
@@ -193,19 +213,31 @@ def test_dpo_reference_free_uses_a_uniform_reference(loss_type):
     check(DPOLoss(beta=0.2, loss_type=loss_type, reference_free=True), naive, logits, without)
 
 
+@pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("beta,gamma,ls,sft", [(2.0, 0.5, 0.0, 0.0), (1.0, 1.5, 0.1, 0.0), (2.5, 0.0, 0.0, 0.4)])
-def test_simpo_matches_reference(beta, gamma, ls, sft):
+def test_simpo_matches_reference(beta, gamma, ls, sft, norm):
     logits, inputs, _ = preference_batch(seed=4)
     inputs.pop("ref_logps")  # reference-free: the batch needs none
-    loss_fn = SimPOLoss(beta=beta, gamma=gamma, label_smoothing=ls, sft_weight=sft)
-    check(loss_fn, lambda lg, inp: naive_simpo(lg, inp, beta, gamma, ls, sft), logits, inputs)
+    loss_fn = SimPOLoss(beta=beta, gamma=gamma, label_smoothing=ls, sft_weight=sft, sft_normalization=norm)
+    check(loss_fn, lambda lg, inp: naive_simpo(lg, inp, beta, gamma, ls, sft, norm=norm), logits, inputs)
 
 
+@pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("beta", [0.1, 1.0, 0.0])
-def test_orpo_matches_reference(beta):
+def test_orpo_matches_reference(beta, norm):
     logits, inputs, _ = preference_batch(seed=5)
     inputs.pop("ref_logps")
-    check(ORPOLoss(beta=beta), lambda lg, inp: naive_orpo(lg, inp, beta), logits, inputs)
+    check(ORPOLoss(beta=beta, sft_normalization=norm), lambda lg, inp: naive_orpo(lg, inp, beta, norm=norm),
+          logits, inputs)
+
+
+def test_the_two_normalisations_differ_and_answer_is_the_default():
+    """With answers of different lengths the two averages differ, so the tests above can tell them apart."""
+    logits, inputs, _ = preference_batch(seed=5)
+    rows = naive_pairs(logits.detach(), inputs)
+    assert len({nc for _, nc, *_ in rows}) > 1
+    assert abs(float(naive_sft(rows, 1.0, "answer") - naive_sft(rows, 1.0, "batch_tokens"))) > 1e-3
+    assert DPOLoss().sft_normalization == SimPOLoss().sft_normalization == ORPOLoss().sft_normalization == "answer"
 
 
 def test_orpo_stays_finite_when_an_answer_is_certain():
@@ -231,22 +263,29 @@ LOSSES = {
     "simpo": lambda: SimPOLoss(sft_weight=0.3),
     "orpo": lambda: ORPOLoss(beta=0.5),
 }
+# the batch-token mean is a mean over one micro-batch: any layout of that batch, but not any split of it
+LAYOUT_LOSSES = {
+    **LOSSES,
+    "dpo-batch-tokens": lambda: DPOLoss(beta=0.3, sft_weight=0.5, sft_normalization="batch_tokens"),
+    "simpo-batch-tokens": lambda: SimPOLoss(sft_weight=0.3, sft_normalization="batch_tokens"),
+    "orpo-batch-tokens": lambda: ORPOLoss(beta=0.5, sft_normalization="batch_tokens"),
+}
 
 
-@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("name", LAYOUT_LOSSES)
 def test_packed_layout_equals_padded(name):
     logits, inputs, lengths = preference_batch(num_pairs=3, seed=7)
-    padded = LOSSES[name]()({"logits": logits}, inputs)
+    padded = LAYOUT_LOSSES[name]()({"logits": logits}, inputs)
     # several sequences per row, pairs split over rows, rows of different fill, sequences out of order
     packed_logits, packed_inputs = pack(logits, inputs, lengths, [[0, 3], [5, 1, 2], [4]])
-    packed = LOSSES[name]()({"logits": packed_logits}, packed_inputs)
+    packed = LAYOUT_LOSSES[name]()({"logits": packed_logits}, packed_inputs)
     assert packed.num_tokens == padded.num_tokens == 3
     close(packed.loss, padded.loss)
     close(grad(packed.loss, logits), grad(padded.loss, logits))
     assert packed.metrics == pytest.approx(padded.metrics, rel=1e-9)
 
 
-@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("name", LAYOUT_LOSSES)
 @pytest.mark.parametrize("order", [
     [1, 0, 2, 3, 5, 4],  # rejected before chosen in some pairs
     [4, 0, 3, 5, 1, 2],  # pairs interleaved
@@ -254,9 +293,9 @@ def test_packed_layout_equals_padded(name):
 def test_any_row_order_gives_the_same_loss(name, order):
     logits, inputs, _ = preference_batch(num_pairs=3, seed=8)
     inputs["pair_index"] = torch.tensor([7, 7, 3, 3, 11, 11])  # global pair ids, not 0..P-1
-    base = LOSSES[name]()({"logits": logits}, inputs)
+    base = LAYOUT_LOSSES[name]()({"logits": logits}, inputs)
     moved_logits, moved = permute(logits, inputs, order)
-    out = LOSSES[name]()({"logits": moved_logits}, moved)
+    out = LAYOUT_LOSSES[name]()({"logits": moved_logits}, moved)
     close(out.loss, base.loss)
     close(grad(out.loss, logits), grad(base.loss, logits))
     assert out.metrics == pytest.approx(base.metrics, rel=1e-9)
@@ -280,11 +319,17 @@ def test_gradient_accumulation_over_whole_pairs(name):
 
 
 def naive_rewards(logits, inputs, beta, per_token):
+    """The pair metrics; ``per_token``: rewards and ``logps/*`` from mean per-token log-probs (SimPO, ORPO),
+    else rewards from sequence log-ratios and ``logps/*`` from sequence sums (DPO)."""
     rows = [(c.detach(), nc, r.detach(), nr, rc, rr) for c, nc, r, nr, rc, rr in naive_pairs(logits, inputs)]
     if per_token:
-        chosen = [beta * float(c) / nc for c, nc, *_ in rows]
-        rejected = [beta * float(r) / nr for _, _, r, nr, _, _ in rows]
+        chosen_logps = [float(c) / nc for c, nc, *_ in rows]
+        rejected_logps = [float(r) / nr for _, _, r, nr, _, _ in rows]
+        chosen = [beta * x for x in chosen_logps]
+        rejected = [beta * x for x in rejected_logps]
     else:
+        chosen_logps = [float(c) for c, *_ in rows]
+        rejected_logps = [float(r) for _, _, r, *_ in rows]
         chosen = [beta * (float(c) - rc) for c, _, _, _, rc, _ in rows]
         rejected = [beta * (float(r) - rr) for _, _, r, _, _, rr in rows]
     n = len(rows)
@@ -293,17 +338,33 @@ def naive_rewards(logits, inputs, beta, per_token):
         "rewards/rejected": sum(rejected) / n,
         "rewards/margins": sum(c - r for c, r in zip(chosen, rejected)) / n,
         "rewards/accuracies": sum(c > r for c, r in zip(chosen, rejected)) / n,
-        "logps/chosen": sum(float(c) for c, *_ in rows) / n,
-        "logps/rejected": sum(float(r) for _, _, r, *_ in rows) / n,
+        "logps/chosen": sum(chosen_logps) / n,
+        "logps/rejected": sum(rejected_logps) / n,
     }
 
 
+def naive_nll_metrics(logits, inputs):
+    """``nll/chosen``: the mean over pairs of each chosen answer's mean NLL; ``nll/chosen_batch_tokens``: the mean
+    NLL over every chosen answer token, one token at a time."""
+    answer_means, token_nlls = [], []
+    for s in range(logits.shape[0]):
+        if not bool(inputs["is_chosen"][s]):
+            continue
+        nlls = [-float(log_softmax_row(logits[s, t].detach())[int(inputs["labels"][s, t + 1])])
+                for t in range(logits.shape[1] - 1) if int(inputs["labels"][s, t + 1]) != IGNORE]
+        answer_means.append(sum(nlls) / len(nlls))
+        token_nlls.extend(nlls)
+    return {"nll/chosen": sum(answer_means) / len(answer_means),
+            "nll/chosen_batch_tokens": sum(token_nlls) / len(token_nlls)}
+
+
+@pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "robust"])
-def test_dpo_metrics_are_sequence_log_ratios(loss_type):
+def test_dpo_metrics_are_sequence_log_ratios(loss_type, norm):
     logits, inputs, _ = preference_batch(num_pairs=4, seed=10)
-    out = DPOLoss(beta=0.2, loss_type=loss_type, sft_weight=0.5)({"logits": logits}, inputs)
-    expected = naive_rewards(logits, inputs, 0.2, per_token=False)
-    expected["nll/chosen"] = sum(-float(c.detach()) / nc for c, nc, *_ in naive_pairs(logits, inputs)) / 4
+    loss_fn = DPOLoss(beta=0.2, loss_type=loss_type, sft_weight=0.5, sft_normalization=norm)
+    out = loss_fn({"logits": logits}, inputs)
+    expected = {**naive_rewards(logits, inputs, 0.2, per_token=False), **naive_nll_metrics(logits, inputs)}
     assert out.metrics == pytest.approx(expected, rel=1e-9)
     assert all(isinstance(v, float) for v in out.metrics.values())
 
@@ -319,23 +380,136 @@ def test_dpo_accuracy_counts_pairs_ranked_right():
     assert out.metrics["rewards/chosen"] == pytest.approx(-0.05)
     assert out.metrics["rewards/rejected"] == pytest.approx(-0.1)
     assert out.metrics["rewards/margins"] == pytest.approx(0.05)
-    assert "nll/chosen" not in out.metrics
+    assert "nll/chosen" not in out.metrics and "nll/chosen_batch_tokens" not in out.metrics
 
 
-def test_simpo_and_orpo_metrics_use_mean_token_logps():
+@pytest.mark.parametrize("norm", NORMS)
+def test_simpo_metrics_use_mean_token_logps(norm):
     logits, inputs, _ = preference_batch(num_pairs=3, seed=12)
     inputs.pop("ref_logps")
-    simpo = SimPOLoss(beta=2.0)({"logits": logits}, inputs)
+    simpo = SimPOLoss(beta=2.0, sft_normalization=norm)({"logits": logits}, inputs)
     assert simpo.metrics == pytest.approx(naive_rewards(logits, inputs, 2.0, per_token=True), rel=1e-9)
+    with_sft = SimPOLoss(beta=2.0, sft_weight=0.5, sft_normalization=norm)({"logits": logits}, inputs)
+    expected = {**naive_rewards(logits, inputs, 2.0, per_token=True), **naive_nll_metrics(logits, inputs)}
+    assert with_sft.metrics == pytest.approx(expected, rel=1e-9)
 
-    orpo = ORPOLoss(beta=0.1)({"logits": logits}, inputs)
-    rows = [(c.detach(), nc, r.detach(), nr, rc, rr) for c, nc, r, nr, rc, rr in naive_pairs(logits, inputs)]
-    odds = [float((c / nc - torch.log(1 - torch.exp(c / nc))) - (r / nr - torch.log(1 - torch.exp(r / nr))))
-            for c, nc, r, nr, _, _ in rows]
-    expected = {**naive_rewards(logits, inputs, 0.1, per_token=True),
-                "log_odds_ratio": sum(odds) / 3,
-                "nll/chosen": sum(-float(c) / nc for c, nc, *_ in rows) / 3}
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_orpo_metrics_are_trls_log_odds_metrics(norm):
+    logits, inputs, _ = preference_batch(num_pairs=3, seed=12)
+    inputs.pop("ref_logps")
+    orpo = ORPOLoss(beta=0.1, sft_normalization=norm)({"logits": logits}, inputs)
+    rows = [(c.detach(), nc, r.detach(), nr) for c, nc, r, nr, _, _ in naive_pairs(logits, inputs)]
+    odds = [naive_log_odds(c / nc) - naive_log_odds(r / nr) for c, nc, r, nr in rows]
+    expected = {**naive_rewards(logits, inputs, 0.1, per_token=True), **naive_nll_metrics(logits, inputs),
+                "log_odds_ratio": sum(float(log_sigmoid(x)) for x in odds) / 3,  # TRL: mean log sigmoid(log odds)
+                "log_odds_chosen": sum(float(x) for x in odds) / 3}  # TRL: mean log odds ratio
     assert orpo.metrics == pytest.approx(expected, rel=1e-9)
+
+
+# --------------------------------------------------------------------------- TRL's code, transcribed
+# Transcriptions (float64, padded batch, chosen rows even) of what TRL computes per micro-batch, read in
+# huggingface/trl at f2cd577 (1.10.0.dev0): trl/trainer/dpo_trainer.py ``_compute_loss`` with
+# ``loss_type=["sigmoid", "sft"]`` and ``loss_weights=[1, alpha]`` (``rpo_alpha`` up to v0.28 adds the same
+# cross entropy), trl/experimental/cpo/cpo_trainer.py with ``loss_type="simpo"`` and ``cpo_alpha``, and
+# trl/experimental/orpo/orpo_trainer.py (its encoder-decoder NLL, over the answer labels: for decoder-only
+# models TRL's ORPO NLL also counts the prompt tokens, which the pair losses never score).
+
+
+def trl_logps(logits, labels, average):
+    """TRL's ``get_batch_logps``: shifted log-probs of the label tokens, summed or averaged per row."""
+    shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
+    mask = shift_labels != IGNORE
+    per_token = torch.gather(shift_logits.log_softmax(-1), 2, shift_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    sums = (per_token * mask).sum(-1)
+    return sums / mask.sum(-1) if average else sums
+
+
+def trl_chosen_nll(logits, labels):
+    """TRL's SFT term: one cross entropy (token mean) over every chosen answer token of the batch."""
+    v = logits.shape[-1]
+    return F.cross_entropy(logits[0::2, :-1].reshape(-1, v), labels[0::2, 1:].reshape(-1), ignore_index=IGNORE)
+
+
+def trl_dpo(logits, inputs, beta, alpha):
+    logps, ref = trl_logps(logits, inputs["labels"], average=False), inputs["ref_logps"]
+    chosen_ratio, rejected_ratio = logps[0::2] - ref[0::2], logps[1::2] - ref[1::2]
+    nll = trl_chosen_nll(logits, inputs["labels"])
+    loss = (-F.logsigmoid(beta * (chosen_ratio - rejected_ratio))).mean() + alpha * nll
+    return loss, trl_pair_metrics(beta * chosen_ratio, beta * rejected_ratio, logps, nll)
+
+
+def trl_simpo(logits, inputs, beta, gamma, alpha):
+    logps = trl_logps(logits, inputs["labels"], average=True)
+    z = (logps[0::2] - logps[1::2]) - gamma / beta
+    nll = trl_chosen_nll(logits, inputs["labels"])
+    loss = (-F.logsigmoid(beta * z)).mean() + alpha * nll
+    return loss, trl_pair_metrics(beta * logps[0::2], beta * logps[1::2], logps, nll)
+
+
+def trl_orpo(logits, inputs, beta):
+    logps = trl_logps(logits, inputs["labels"], average=True)
+    chosen, rejected = logps[0::2], logps[1::2]
+    log1mexp = lambda x: torch.log(-torch.expm1(x))  # noqa: E731
+    log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+    ratio = F.logsigmoid(log_odds)
+    nll = trl_chosen_nll(logits, inputs["labels"])
+    metrics = trl_pair_metrics(beta * chosen, beta * rejected, logps, nll)
+    metrics["log_odds_ratio"] = float(ratio.detach().mean())
+    metrics["log_odds_chosen"] = float(log_odds.detach().mean())
+    return nll - beta * ratio.mean(), metrics
+
+
+def trl_pair_metrics(chosen_rewards, rejected_rewards, logps, nll):
+    """TRL's metric names and values; TRL's ``nll_loss`` is ours ``nll/chosen_batch_tokens``."""
+    chosen_rewards, rejected_rewards, logps = chosen_rewards.detach(), rejected_rewards.detach(), logps.detach()
+    return {
+        "rewards/chosen": float(chosen_rewards.mean()),
+        "rewards/rejected": float(rejected_rewards.mean()),
+        "rewards/margins": float((chosen_rewards - rejected_rewards).mean()),
+        "rewards/accuracies": float((chosen_rewards > rejected_rewards).to(DT).mean()),
+        "logps/chosen": float(logps[0::2].mean()),
+        "logps/rejected": float(logps[1::2].mean()),
+        "nll/chosen_batch_tokens": float(nll.detach()),
+    }
+
+
+TRL = {
+    "dpo": (lambda: DPOLoss(beta=0.2, sft_weight=0.7, sft_normalization="batch_tokens"),
+            lambda lg, inp: trl_dpo(lg, inp, beta=0.2, alpha=0.7)),
+    "simpo": (lambda: SimPOLoss(beta=2.0, gamma=0.6, sft_weight=0.7, sft_normalization="batch_tokens"),
+              lambda lg, inp: trl_simpo(lg, inp, beta=2.0, gamma=0.6, alpha=0.7)),
+    "orpo": (lambda: ORPOLoss(beta=0.3, sft_normalization="batch_tokens"),
+             lambda lg, inp: trl_orpo(lg, inp, beta=0.3)),
+}
+
+
+@pytest.mark.parametrize("name", TRL)
+def test_batch_tokens_is_trls_loss_and_metrics(name):
+    make, trl = TRL[name]
+    logits, inputs, _ = preference_batch(num_pairs=4, seed=20)
+    out = make()({"logits": logits}, inputs)
+    want, want_metrics = trl(logits, inputs)
+    close(out.loss / out.num_tokens, want)  # the model divides the sum by the pair count
+    close(grad(out.loss / out.num_tokens, logits), grad(want, logits))
+    shared = {key: out.metrics[key] for key in want_metrics}
+    assert shared == pytest.approx(want_metrics, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", TRL)
+def test_batch_tokens_accumulates_as_trl_does(name):
+    """TRL averages its micro-batch losses equally (loss / gradient_accumulation_steps, then the ranks' mean);
+    the model sums micro-batch sums and divides by the step's pair count: the same for micro-batches of equal
+    pair counts, and (as in TRL) not the loss of the two micro-batches as one batch."""
+    make, trl = TRL[name]
+    logits, inputs, _ = preference_batch(num_pairs=4, seed=21)
+    halves = lambda: [permute(logits, inputs, rows) for rows in ([0, 1, 2, 3], [4, 5, 6, 7])]  # noqa: E731
+    outs = [make()({"logits": lg}, inp) for lg, inp in halves()]
+    accumulated = sum(o.loss for o in outs) / sum(o.num_tokens for o in outs)
+    trl_accumulated = sum(trl(lg, inp)[0] for lg, inp in halves()) / 2
+    close(accumulated, trl_accumulated)
+    close(grad(accumulated, logits), grad(trl_accumulated, logits))
+    assert abs(float(accumulated.detach() - trl(logits, inputs)[0].detach())) > 1e-4  # the split matters
 
 
 # --------------------------------------------------------------------------- errors
@@ -409,6 +583,14 @@ def test_an_answer_without_tokens_is_an_error(make):
 def test_bad_options_are_config_errors(make):
     with pytest.raises(ConfigError):
         make()
+
+
+@pytest.mark.parametrize("cls", [DPOLoss, SimPOLoss, ORPOLoss])
+@pytest.mark.parametrize("value", ["tokens", "batch", None, "Answer"])
+def test_a_bad_sft_normalization_names_the_valid_ones(cls, value):
+    with pytest.raises(ConfigError, match=rf"{cls.name} loss: sft_normalization must be one of answer, "
+                                          rf"batch_tokens, got {value!r}"):
+        cls(sft_normalization=value)
 
 
 # --------------------------------------------------------------------------- registration

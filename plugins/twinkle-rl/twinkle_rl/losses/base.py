@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from twinkle_core.constants import IGNORE_INDEX
+from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import LossContext, require_whole_sequences
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 from twinkle_rl import layout
@@ -40,19 +41,49 @@ class PairLogps:
         return len(self.pairs)
 
 
-class PreferenceLoss(TokenScoringLoss):
-    """Base of the pairwise losses: options every one of them takes, and :meth:`pair_logps`.
+#: how the SFT (NLL) term on the chosen answers is averaged; see :class:`PreferenceLoss`
+SFT_NORMALIZATIONS = ("answer", "batch_tokens")
 
-    ``sft_weight`` adds ``sft_weight`` times the chosen answer's mean per-token NLL to each pair's loss
-    (RPO, Pang et al. 2024), which keeps the chosen answers likely while the pair term pushes them apart."""
+
+def sft_normalization_option(where: str, value: Any) -> str:
+    """``value`` if it is one of :data:`SFT_NORMALIZATIONS`, else a ``ConfigError`` naming the valid ones."""
+    if value not in SFT_NORMALIZATIONS:
+        raise ConfigError(f"{where}: sft_normalization must be one of {', '.join(SFT_NORMALIZATIONS)}, "
+                          f"got {value!r}")
+    return value
+
+
+class PreferenceLoss(TokenScoringLoss):
+    """Base of the pairwise losses: options every one of them takes, :meth:`pair_logps` and the SFT term.
+
+    ``sft_weight`` adds ``sft_weight`` times an NLL of the chosen answers to the loss (RPO, Pang et al. 2024),
+    which keeps the chosen answers likely while the pair term pushes them apart. ``sft_normalization`` says
+    how that NLL is averaged:
+
+    * ``"answer"`` (default, the RPO paper's ``-log M(y_w|x) / |y_w|``): each chosen answer's NLL divided by
+      its own token count, then averaged over pairs like the pair term. Each pair's loss depends on its own
+      answers only, so gradient accumulation and data parallelism give exactly the loss of one big batch.
+    * ``"batch_tokens"`` (TRL's: ``rpo_alpha`` of ``DPOTrainer`` up to 0.28, ``loss_type=["sigmoid", "sft"]``
+      from 0.29, ``cpo_alpha`` of ``CPOTrainer``): one token mean of the NLL over every chosen answer token of
+      the batch one forward pass sees (``data.batch_size`` pairs on one rank, TRL's per-device batch), so
+      long answers weigh more. The model averages micro-batches and ranks weighted by their pair counts;
+      TRL averages them equally, which is the same when every micro-batch holds as many pairs. Like TRL's,
+      this term is not invariant to how a step is split: two micro-batches of ``n`` pairs are not one of
+      ``2n`` (each half has its own token mean).
+
+    With ``sft_weight > 0`` both averages are logged: ``nll/chosen`` (``"answer"``'s, the mean over pairs of
+    each chosen answer's mean NLL) and ``nll/chosen_batch_tokens`` (``"batch_tokens"``'s, the value TRL logs
+    as ``nll_loss`` for DPO and CPO / SimPO).
+    """
 
     requires: ClassVar[frozenset[str]] = frozenset({layout.PREFERENCE_PAIRS})
 
-    def __init__(self, *, sft_weight: float = 0.0, ignore_index: int = IGNORE_INDEX,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    def __init__(self, *, sft_weight: float = 0.0, sft_normalization: str = "answer",
+                 ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         sft_weight = finite_number(f"{self.name} loss: sft_weight", sft_weight, low=0.0)
         super().__init__(ignore_index=ignore_index, chunk_size=chunk_size)
         self.sft_weight = sft_weight
+        self.sft_normalization = sft_normalization_option(f"{self.name} loss", sft_normalization)
 
     def pair_logps(self, outputs: dict[str, Any], inputs: dict[str, Any],
                    context: LossContext | None = None) -> PairLogps:
@@ -70,13 +101,20 @@ class PreferenceLoss(TokenScoringLoss):
         chosen, rejected = pairs.chosen.to(sums.device), pairs.rejected.to(sums.device)
         return PairLogps(sums[chosen], sums[rejected], counts[chosen], counts[rejected], pairs)
 
+    def chosen_nll(self, logps: PairLogps, metrics: dict[str, float]) -> torch.Tensor:
+        """Per pair, its share of the chosen answers' NLL under ``sft_normalization`` (the mean over pairs is the
+        NLL the term adds); records ``nll/chosen`` and ``nll/chosen_batch_tokens``."""
+        metrics.update(nll_metrics(logps))
+        if self.sft_normalization == "answer":
+            return -logps.chosen_mean
+        # sum over pairs = pairs x (token sum / token count): the pair count is what the model divides by
+        return -logps.chosen * (len(logps) / logps.chosen_tokens.sum())
+
     def sft_term(self, logps: PairLogps, metrics: dict[str, float]) -> torch.Tensor | float:
-        """``sft_weight`` x the chosen answers' mean per-token NLL, per pair (0 when off); records ``nll/chosen``."""
+        """``sft_weight`` x :meth:`chosen_nll`, per pair (0, and no metric, when ``sft_weight`` is 0)."""
         if not self.sft_weight:
             return 0.0
-        nll = -logps.chosen_mean
-        metrics["nll/chosen"] = mean(nll)
-        return self.sft_weight * nll
+        return self.sft_weight * self.chosen_nll(logps, metrics)
 
 
 def smoothed_sigmoid_loss(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
@@ -91,14 +129,26 @@ def mean(x: torch.Tensor) -> float:
     return float(x.detach().to(torch.float64).mean())  # float64: exact shares (accuracies) from float32 losses
 
 
-def pair_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, logps: PairLogps) -> dict[str, float]:
-    """Means over this micro-batch's pairs (the names TRL logs, so dashboards compare)."""
+def nll_metrics(logps: PairLogps) -> dict[str, float]:
+    """The chosen answers' NLL averaged both ways (see :class:`PreferenceLoss`)."""
+    with torch.no_grad():
+        chosen = logps.chosen.to(torch.float64)
+        return {
+            "nll/chosen": mean(-chosen / logps.chosen_tokens),
+            "nll/chosen_batch_tokens": float(-chosen.sum() / logps.chosen_tokens.sum()),
+        }
+
+
+def pair_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, chosen_logps: torch.Tensor,
+                 rejected_logps: torch.Tensor) -> dict[str, float]:
+    """Means over this micro-batch's pairs of the rewards and of the answers' log-probabilities as the loss uses
+    them (sequence sums for DPO, per-token means for SimPO and ORPO: what TRL logs under these names)."""
     with torch.no_grad():
         return {
             "rewards/chosen": mean(chosen_rewards),
             "rewards/rejected": mean(rejected_rewards),
             "rewards/margins": mean(chosen_rewards - rejected_rewards),
             "rewards/accuracies": mean(chosen_rewards > rejected_rewards),
-            "logps/chosen": mean(logps.chosen),
-            "logps/rejected": mean(logps.rejected),
+            "logps/chosen": mean(chosen_logps),
+            "logps/rejected": mean(rejected_logps),
         }

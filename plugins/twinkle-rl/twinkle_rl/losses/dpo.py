@@ -32,21 +32,26 @@ class DPOLoss(PreferenceLoss):
       ``((1 - eps)(-log sigmoid(beta h)) + eps log sigmoid(-beta h)) / (1 - 2 eps)``, an unbiased loss under
       noisy preferences;
 
-    plus ``sft_weight`` x the chosen answer's mean per-token NLL (RPO). ``reference_free=True`` takes the
-    reference as uniform (``log ref = 0``) and ignores any ``ref_logps``.
+    plus ``sft_weight`` x an NLL of the chosen answers (RPO), averaged as ``sft_normalization`` says:
+    ``"answer"`` (default, the RPO paper: per answer, then over pairs) or ``"batch_tokens"`` (TRL's
+    ``rpo_alpha``: one token mean over the batch's chosen answer tokens); see
+    :class:`~twinkle_rl.losses.base.PreferenceLoss`. ``reference_free=True`` takes the reference as uniform
+    (``log ref = 0``) and ignores any ``ref_logps``.
 
-    Metrics (means over the micro-batch's pairs): ``rewards/chosen`` / ``rewards/rejected``
-    (``beta (log pi - log ref)`` of whole sequences, for every ``loss_type``), ``rewards/margins``,
-    ``rewards/accuracies``, ``logps/chosen`` / ``logps/rejected`` (sequence sums) and ``nll/chosen`` with
-    ``sft_weight``.
+    Metrics (means over the micro-batch's pairs), with TRL ``DPOTrainer``'s meaning where TRL has the name:
+    ``rewards/chosen`` / ``rewards/rejected`` (``beta (log pi - log ref)`` of whole sequences, for every
+    ``loss_type``), ``rewards/margins``, ``rewards/accuracies``, ``logps/chosen`` / ``logps/rejected``
+    (the policy's sequence sums; TRL up to 0.28 logged per-token means there for ``ipo``), and with
+    ``sft_weight`` ``nll/chosen`` and ``nll/chosen_batch_tokens`` (the latter is TRL's ``nll_loss``).
     """
 
     name: ClassVar[str] = "dpo"
 
     def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                 reference_free: bool = False, sft_weight: float = 0.0, ignore_index: int = IGNORE_INDEX,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        super().__init__(sft_weight=sft_weight, ignore_index=ignore_index, chunk_size=chunk_size)
+                 reference_free: bool = False, sft_weight: float = 0.0, sft_normalization: str = "answer",
+                 ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        super().__init__(sft_weight=sft_weight, sft_normalization=sft_normalization, ignore_index=ignore_index,
+                         chunk_size=chunk_size)
         if loss_type not in LOSS_TYPES:
             raise ConfigError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
         beta = finite_number("dpo loss: beta", beta, low=0.0, low_open=True)
@@ -101,6 +106,6 @@ class DPOLoss(PreferenceLoss):
             eps, z = self.label_smoothing, self.beta * h
             losses = ((1.0 - eps) * -F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1.0 - 2.0 * eps)
 
-        metrics = pair_metrics(self.beta * chosen_ratio, self.beta * rejected_ratio, logps)
+        metrics = pair_metrics(self.beta * chosen_ratio, self.beta * rejected_ratio, logps.chosen, logps.rejected)
         losses = losses + self.sft_term(logps, metrics)
         return LossOutput(loss=losses.sum(), num_tokens=len(logps), metrics=metrics)

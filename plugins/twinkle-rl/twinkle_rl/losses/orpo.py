@@ -30,20 +30,29 @@ def log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
 
 
 class ORPOLoss(PreferenceLoss):
-    """``NLL(y_w) + beta * -log sigmoid(log_odds(y_w) - log_odds(y_l))`` per pair.
+    """``NLL(y_w) - beta * log sigmoid(log_odds(y_w) - log_odds(y_l))`` per pair.
 
-    ``NLL(y_w)`` is the chosen answer's mean per-token negative log-likelihood and ``log_odds(y) = a - log(1 -
-    exp(a))`` with ``a`` the answer's mean per-token log-probability (the paper's ``P(y|x)``, eq. 4-7);
-    ``beta`` is the paper's ``lambda``.
+    ``log_odds(y) = a - log(1 - exp(a))`` with ``a`` the answer's mean per-token log-probability (the paper's
+    ``P(y|x)``, eq. 4-7); ``beta`` is the paper's ``lambda``. ``NLL(y_w)`` is the chosen answers' negative
+    log-likelihood, averaged as ``sft_normalization`` says (see :class:`~twinkle_rl.losses.base.PreferenceLoss`):
+    ``"answer"`` (default: each chosen answer's mean per-token NLL, then over pairs) or ``"batch_tokens"`` (one
+    token mean over the batch's chosen answer tokens, the normalisation of TRL's ``ORPOTrainer``). TRL's ORPO
+    NLL also counts the prompt tokens of the chosen sequences (decoder-only models); here only answer tokens are
+    scored, so neither option is TRL's ORPO NLL to the digit.
 
-    Metrics: ``rewards/*`` are ``beta`` x mean per-token log-probs, ``log_odds_ratio`` the mean of
-    ``log_odds(y_w) - log_odds(y_l)``, ``nll/chosen`` the SFT term, ``logps/*`` sequence sums.
+    Metrics (means over the micro-batch's pairs), with TRL ``ORPOTrainer``'s meaning: ``rewards/*`` are ``beta``
+    x the answers' mean per-token log-probs, ``logps/chosen`` / ``logps/rejected`` those mean per-token
+    log-probs, ``log_odds_ratio`` the mean of ``log sigmoid(log_odds(y_w) - log_odds(y_l))`` and
+    ``log_odds_chosen`` the mean of ``log_odds(y_w) - log_odds(y_l)``; and ``nll/chosen`` /
+    ``nll/chosen_batch_tokens`` (the two averages of the NLL over answer tokens; not TRL's ``nll_loss``, which
+    includes the prompt).
     """
 
     name: ClassVar[str] = "orpo"
 
-    def __init__(self, beta: float = 0.1, ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        super().__init__(ignore_index=ignore_index, chunk_size=chunk_size)
+    def __init__(self, beta: float = 0.1, sft_normalization: str = "answer", ignore_index: int = IGNORE_INDEX,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        super().__init__(sft_normalization=sft_normalization, ignore_index=ignore_index, chunk_size=chunk_size)
         self.beta = finite_number("orpo loss: beta", beta, low=0.0)
 
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
@@ -51,9 +60,9 @@ class ORPOLoss(PreferenceLoss):
         logps = self.pair_logps(outputs, inputs, context)
         chosen_mean, rejected_mean = logps.chosen_mean, logps.rejected_mean
         log_odds_ratio = log_odds(chosen_mean) - log_odds(rejected_mean)
-        nll = -chosen_mean
-        losses = nll - self.beta * F.logsigmoid(log_odds_ratio)
-        metrics = pair_metrics(self.beta * chosen_mean, self.beta * rejected_mean, logps)
-        metrics["log_odds_ratio"] = mean(log_odds_ratio)
-        metrics["nll/chosen"] = mean(nll)
+        ratio_term = F.logsigmoid(log_odds_ratio)
+        metrics = pair_metrics(self.beta * chosen_mean, self.beta * rejected_mean, chosen_mean, rejected_mean)
+        metrics["log_odds_ratio"] = mean(ratio_term)
+        metrics["log_odds_chosen"] = mean(log_odds_ratio)
+        losses = self.chosen_nll(logps, metrics) - self.beta * ratio_term
         return LossOutput(loss=losses.sum(), num_tokens=len(logps), metrics=metrics)
