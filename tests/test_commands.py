@@ -70,6 +70,10 @@ def test_chat_prompt_one_shot_matches_plain_transformers(runs):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "using checkpoint" in result.stderr and "final" in result.stderr
     assert result.stdout.strip() == _reference_answer(runs["full"] / "final", "reverse: abc", 8)
+    # its torch threads, chosen like a training process's (twinkle_core.threads) and said on stderr
+    threads = os.environ.get("TWINKLE_TEST_THREADS")
+    said = f"twinkle: torch threads: {threads} (from TWINKLE_TEST_THREADS;" if threads else "twinkle: torch threads:"
+    assert said in result.stderr, result.stderr
 
 
 def test_chat_interactive_reset_and_exit(runs):
@@ -207,8 +211,9 @@ def test_push_to_hub_uploads_the_export(runs, tmp_path, monkeypatch):
 def test_eval_matches_trainings_eval_loss_and_writes_json(runs, tmp_path):
     out = tmp_path / "results.json"
     result = twinkle("eval", str(runs["full"] / "final"), str(runs["eval"]), "--output", str(out),
-                     "--max-new-tokens", "8", "--batch-size", "3")
+                     "--max-new-tokens", "8", "--batch-size", "3", env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-2000:]
+    assert "twinkle: torch threads: 1 (from OMP_NUM_THREADS;" in result.stderr
     for word in ("loss", "perplexity", "exact_match"):
         assert word in result.stdout
     data = json.loads(out.read_text())

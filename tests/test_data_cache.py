@@ -92,3 +92,64 @@ def test_tokenizer_fingerprint_changes_with_the_vocabulary(tok):
 def test_rows_in_memory_are_not_cached(tmp_path, tok):
     features = CausalLMTask().load_dataset([{"text": "abc"}], tok, mode="pretrain", cache_dir=str(tmp_path / "c"))
     assert isinstance(features, list) and not (tmp_path / "c").exists()
+
+
+# ---------------------------------------------------------------------- ranks of a multi-process job
+def _features(n: int = 3):
+    from twinkle_core.data.formats import InputFeature
+
+    return [InputFeature(input_ids=[1, 2, i], labels=[-100, 2, i]) for i in range(n)]
+
+
+@pytest.fixture()
+def second_rank(monkeypatch):
+    """This process is rank 1 of 2 (torchrun's environment); ``group`` says whether the process group exists."""
+    from twinkle_core import distributed
+
+    state = {"group": False, "broadcasts": 0}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(distributed, "has_process_group", lambda: state["group"])
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "is_main_process", lambda: False)
+
+    def broadcast_object(obj, src=0):
+        state["broadcasts"] += 1
+        return None  # the main process reports success
+
+    monkeypatch.setattr(distributed, "broadcast_object", broadcast_object)
+    return state
+
+
+def test_a_rank_before_the_process_group_exists_builds_and_writes_without_a_warning(tmp_path, second_rank, caplog):
+    """The trainer loads its data before the model's strategy joins the process group: the ranks cannot wait for
+    the main process then, and a missing entry is no sign of an unshared file system."""
+    from twinkle_core.data.cache import cached_features
+
+    with caplog.at_level("WARNING", logger="twinkle_core.data.cache"):
+        got = cached_features(str(tmp_path), "key", _features)
+    assert _as_tuples(got) == _as_tuples(_features()) and isinstance(got, CachedFeatures)
+    assert second_rank["broadcasts"] == 0  # no collective without a group
+    assert "not a shared file system" not in caplog.text
+    # the entry it wrote is the one every later reader (the main process included) reads
+    assert _as_tuples(cached_features(str(tmp_path), "key", lambda: pytest.fail("built again"))) == _as_tuples(got)
+
+
+def test_a_rank_that_cannot_see_the_main_processs_entry_warns(tmp_path, second_rank, caplog):
+    from twinkle_core.data.cache import cached_features
+
+    second_rank["group"] = True
+    with caplog.at_level("WARNING", logger="twinkle_core.data.cache"):
+        got = cached_features(str(tmp_path), "key", _features)
+    assert second_rank["broadcasts"] == 1  # it waited for the main process
+    assert "is not visible on this rank (not a shared file system?)" in caplog.text
+    assert _as_tuples(got) == _as_tuples(_features()) and not (tmp_path / "key").exists()
+
+
+def test_two_writers_of_one_entry_keep_the_first(tmp_path):
+    from twinkle_core.data.cache import cached_features, write_features
+
+    write_features(str(tmp_path / "key"), _features(2))
+    write_features(str(tmp_path / "key"), _features(5))  # a rank that built it meanwhile: its copy is dropped
+    assert len(cached_features(str(tmp_path), "key", lambda: pytest.fail("built again"))) == 2
+    assert os.listdir(tmp_path) == ["key"]  # no staging directory left behind

@@ -1,7 +1,8 @@
 """One run per output directory over time, and no ``final`` for a run that never took a finite step (issue 27).
 
-* A new run (no ``--resume``) into a ``train.output_dir`` that holds another run's checkpoints or ``final`` is
-  refused before anything is built, naming that run and the fixes; ``--overwrite`` removes the previous run's
+* A new run (no ``--resume``) into a ``train.output_dir`` that holds another run's checkpoints, ``final`` or log
+  (a run that saved nothing) is refused before anything is built (also by ``--dry-run``), naming that run and the
+  fixes; a cache alone is no run; ``--overwrite`` removes the previous run's
   checkpoints, ``final`` and logs (caches stay) and starts afresh; ``--resume latest`` continues as before.
   ``--resume-weights-only latest --overwrite`` starts over in its own directory from the newest checkpoint there.
 * A run whose every step had a non-finite loss or gradient norm, too short for the ``MAX_NONFINITE_STEPS`` guard,
@@ -78,6 +79,43 @@ def test_an_interrupted_checkpoint_alone_also_counts(tmp_path):
         fakes.run(fakes.make_recipe(tmp_path, train={"max_steps": 4}))
     summary = fakes.run(fakes.make_recipe(tmp_path, train={"max_steps": 4}), resume="latest")
     assert summary["resumed_from"].endswith("checkpoint-1-interrupted") and summary["steps"] == 4
+
+
+def test_a_run_that_saved_nothing_still_counts_by_its_log(tmp_path):
+    """A run that stopped before its first checkpoint left only logs.jsonl: a new run would append to it."""
+    (tmp_path / "train.txt").write_text("nan nan nan nan")
+    with pytest.raises(loop.TrainingDivergedError):
+        fakes.run(fakes.make_recipe(tmp_path, train={"max_steps": 2}))
+    out = tmp_path / "out"
+    assert dirs(out) == [] and logged_steps(out) == [1, 2]
+    (tmp_path / "train.txt").write_text("1 2 3 4")
+    recipe = fakes.make_recipe(tmp_path, train={"max_steps": 2})
+    with pytest.raises(ConfigError) as info:
+        fakes.run(recipe)
+    text = str(info.value)
+    assert (f"train.output_dir {out} already holds the logs of an earlier run (logs.jsonl), a run that saved no "
+            f"checkpoint; a new run there would append its log lines") in text
+    assert "--overwrite" in text and "new directory" in text and "--resume latest" in text
+    assert logged_steps(out) == [1, 2]  # nothing touched
+
+    assert fakes.run(recipe, resume="latest")["steps"] == 2  # resume keeps appending, from step 0
+    assert logged_steps(out) == [1, 2, 1, 2]
+    assert fakes.run(recipe, overwrite=True)["steps"] == 2
+    assert logged_steps(out) == [1, 2]
+
+
+def test_the_logs_are_named_beside_the_checkpoints(tmp_path):
+    fakes.run(fakes.make_recipe(tmp_path, train={"max_steps": 1, "save_every": 1}))
+    with pytest.raises(ConfigError, match=r"holds the checkpoints of an earlier run \(checkpoint-1, final\) and its logs "
+                                          r"\(logs.jsonl, summary.json\); a new run there would mix"):
+        fakes.run(fakes.make_recipe(tmp_path, train={"max_steps": 1}))
+
+
+def test_a_data_cache_or_other_files_alone_are_no_run(tmp_path):
+    out = tmp_path / "out"
+    (out / "data_cache" / "0123abcd").mkdir(parents=True)  # e.g. tokenised by a run that was refused or --dry-run
+    (out / "notes.txt").write_text("mine")
+    assert fakes.run(fakes.make_recipe(tmp_path, train={"max_steps": 1}))["steps"] == 1
 
 
 def test_overwrite_discards_the_previous_run_and_keeps_caches(tmp_path, caplog):
@@ -188,6 +226,18 @@ def test_twinkle_train_refuses_before_importing_the_backend_and_overwrite_reache
 
     args = cli.build_parser().parse_args(["train", "r.yaml", "--nproc-per-node", "2", "--overwrite"])
     assert torchrun_argv(args, train_job(args))[-1] == "--overwrite"  # every worker gets it
+
+
+def test_a_dry_run_reports_the_used_directory_too(tmp_path, capsys):
+    recipe = write_recipe(tmp_path, train={"max_steps": 1})
+    assert cli.main(["train", str(recipe)]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", str(recipe), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"train.output_dir {tmp_path / 'out'} already holds the checkpoints of" in err
+    assert "--resume latest" in err and "--overwrite" in err and "new directory" in err
+    assert cli.main(["train", str(recipe), "--dry-run", "--overwrite"]) == 0
+    assert cli.main(["train", str(recipe), "--dry-run", "--resume", "latest"]) == 2  # only final: nothing to resume
 
 
 @pytest.fixture

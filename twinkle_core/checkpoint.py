@@ -385,12 +385,15 @@ def check_marker(path: str | os.PathLike[str]) -> None:
 class PreviousRun:
     """What an earlier run left in an output directory: its checkpoints (``checkpoint-N`` and
     ``checkpoint-N-interrupted``, oldest first), its ``final`` model, and the run id their markers record (``None``
-    when none records one: markers of an older Twinkle, or another model implementation's format)."""
+    when none records one: markers of an older Twinkle, or another model implementation's format). ``records``: the
+    files the trainer reads as a run's trace besides checkpoints (its log, :func:`twinkle_core.train.checkpointing.
+    check_start` fills them in), so a run that stopped before its first checkpoint counts too."""
 
     output_dir: Path
     checkpoints: tuple[Path, ...]
     final: Path | None
     run_id: str | None
+    records: tuple[Path, ...] = ()
 
     @property
     def paths(self) -> list[Path]:
@@ -403,8 +406,9 @@ class PreviousRun:
         return f"run {self.run_id}" if self.run_id else "an earlier run"
 
     def describe(self, most: int = 4) -> str:
-        """``run 1a2b... (checkpoint-2, checkpoint-4, final)``, naming at most ``most`` directories."""
-        names = [path.name for path in self.paths]
+        """``run 1a2b... (checkpoint-2, checkpoint-4, final)``, naming at most ``most`` directories (the records when
+        there are none: ``an earlier run (logs.jsonl)``)."""
+        names = [path.name for path in self.paths or self.records]
         shown = ", ".join(names if len(names) <= most else [*names[:most - 1], "...", names[-1]])
         count = f"; {len(names)} in all" if len(names) > most else ""
         return f"{self.label} ({shown}{count})"

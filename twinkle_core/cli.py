@@ -5,7 +5,7 @@
     twinkle --version
     twinkle plugins [--json] [--probe]
     twinkle train RECIPE.yaml [key.path=value ...] [--resume PATH|latest] [--resume-weights-only PATH|latest]
-                  [--dry-run] [--overwrite] [--runtime torchrun|ray]
+                  [--dry-run] [--overwrite] [--show-warnings] [--runtime torchrun|ray]
                   [--nproc-per-node N] [--nnodes N] [--node-rank R] [--master-addr A] [--master-port P]
                   [--num-workers N] [--ray-address A] [--max-restarts N] ...   # --runtime ray (twinkle-ray)
     twinkle plot logs.jsonl [--output curves.png]
@@ -37,6 +37,7 @@ from twinkle_core.commands import Command
 # re-exported: the plugin listing is what `twinkle plugins` prints, and tests and backends read it from here
 from twinkle_core.commands.plugins import collect_plugins, format_plugins  # noqa: F401
 from twinkle_core.errors import ConfigError, PluginNotFoundError, TwinkleError
+from twinkle_core.known_warnings import quiet_known_warnings
 
 PLUGIN_LOGGER = "twinkle.plugins"
 
@@ -147,8 +148,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(command: Command, args: argparse.Namespace) -> int:
-    """Run ``command``, turning Twinkle's errors into a message and an exit status (2: fix the input)."""
+    """Run ``command``, turning Twinkle's errors into a message and an exit status (2: fix the input). Known
+    third-party warnings are hidden first (:mod:`twinkle_core.known_warnings`; ``--show-warnings`` where a command
+    has it, or ``TWINKLE_SHOW_WARNINGS=1``, shows them)."""
     try:
+        quiet_known_warnings(show=bool(getattr(args, "show_warnings", False)))
         return int(command.run(args))
     except KeyboardInterrupt:
         print("twinkle: interrupted (an interrupted checkpoint was saved if training had made progress; "

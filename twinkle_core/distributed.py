@@ -31,6 +31,14 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
+def has_process_group() -> bool:
+    """Whether this process joined its job's process group (collectives reach the other ranks). Under torchrun
+    ``WORLD_SIZE`` is set from the start, but the group exists only once the model's strategy joined it."""
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
+
+
 #: the collective timeout every process group gets; vendor accelerators derive their own timeouts from it
 DEFAULT_TIMEOUT_S = 600.0
 

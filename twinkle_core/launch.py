@@ -18,9 +18,11 @@ runtime started it. The core registers ``torchrun``; ``twinkle-ray`` registers `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -38,6 +40,7 @@ class TrainJob:
     resume: str | None = None
     resume_weights_only: str | None = None
     overwrite: bool = False
+    show_warnings: bool = False
 
     def worker_argv(self) -> list[str]:
         """``twinkle train`` arguments for one rank (no launcher flags: the rank trains in its own process)."""
@@ -48,6 +51,8 @@ class TrainJob:
             argv += ["--resume-weights-only", self.resume_weights_only]
         if self.overwrite:
             argv.append("--overwrite")
+        if self.show_warnings:
+            argv.append("--show-warnings")
         return argv
 
 
@@ -98,13 +103,33 @@ class TorchrunRuntime(Runtime):
         """Run the job under torchrun; 1 when a rank failed (torchrun already printed its error)."""
         from torch.distributed import run as torchrun
 
+        from twinkle_core.threads import launcher_env
+
         try:
-            torchrun.main(torchrun_argv(args, job))
+            # the ranks choose their own torch threads (twinkle_core.threads): torchrun's default of 1 each, which
+            # it announces with a warning, is replaced by this launch's choice, marked as not the user's
+            with environment(launcher_env(args.nproc_per_node)):
+                torchrun.main(torchrun_argv(args, job))
         except Exception as exc:  # ChildFailedError: torchrun already printed the failing rank's error
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             print(f"twinkle: error: distributed training failed: {type(exc).__name__}: {first}", file=sys.stderr)
             return 1
         return 0
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set (what the processes started meanwhile inherit), restored afterwards."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def torchrun_argv(args: argparse.Namespace, job: TrainJob) -> list[str]:

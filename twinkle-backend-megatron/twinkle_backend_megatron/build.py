@@ -153,6 +153,9 @@ def _transformer_config(options: NetworkOptions, hf_config: Any, spec: convert.M
         deallocate_pipeline_outputs=False,
         **recompute_settings.SETTINGS[options.recompute],
     )
+    if "cuda_graph_scope" in getattr(TransformerConfig, "__dataclass_fields__", {}):
+        # megatron-core's default "full" warns that it is deprecated in favour of [], which means the same
+        kwargs["cuda_graph_scope"] = []
     kwargs.update(options.transformer_config)
     if options.recompute:
         recompute_settings.install()  # the recomputed forward must see the forward's autocast (bf16 / fp16)

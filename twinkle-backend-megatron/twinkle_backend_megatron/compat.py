@@ -26,6 +26,9 @@ exactly as shipped. Every patch is scoped to megatron-core:
    for the CPU.
 5. **Transformer Engine absent** — ``moe_utils.te_general_gemm`` is referenced although it is only
    imported with Transformer Engine; it is defined as ``None`` (the code's own fallback test).
+6. **CUDA stream advice** — the TP linear layers advise setting ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (a CUDA
+   stream setting) once per rank; there is no CUDA stream on CPU, so the advice is marked as given (megatron's
+   own ``warned`` flag) instead of being printed by every rank.
 
 Anything else CUDA-only (sequence parallel and MoE with TP > 1 need Transformer Engine or Apex
 norms; the all-to-all MoE dispatcher needs CUDA streams; fp8) is refused up front by the model with
@@ -100,6 +103,7 @@ def apply() -> bool:
         _patch_rng_tracker()
         _patch_type_checks()
         _patch_autocast_device()
+        _mark_cuda_stream_advice_given()
         _applied = True
     return True
 
@@ -366,6 +370,12 @@ def _patch_type_checks() -> None:
 
 
 # ---------------------------------------------------------------------- autocast device of the TP linear functions
+def _mark_cuda_stream_advice_given() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
+
+
 def _patch_autocast_device() -> None:
     from megatron.core.tensor_parallel import layers
 

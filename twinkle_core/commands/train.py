@@ -7,7 +7,7 @@ is launched: ``torchrun`` (the default) launches ``torch.distributed.run`` with 
 :func:`train_this_process` (torchrun's workers through ``python -m twinkle_core.cli train RECIPE ...`` without the
 launcher flags). Otherwise it trains in this process. Heavy modules are imported inside :meth:`run` only.
 
-A new run into a ``train.output_dir`` that holds another run's checkpoints or ``final`` model is refused right
+A new run into a ``train.output_dir`` that holds another run's checkpoints, ``final`` model or log is refused right
 after the recipe is read (before the backend is imported or torchrun launched): ``--resume latest`` continues that
 run, ``--overwrite`` discards it (:func:`twinkle_core.train.checkpointing.check_start`; the trainer checks again
 once it holds the directory's lock).
@@ -23,6 +23,7 @@ from typing import Any
 
 from twinkle_core.commands import Command
 from twinkle_core.errors import ConfigError
+from twinkle_core.known_warnings import quiet_known_warnings
 from twinkle_core.launch import DEFAULT_RUNTIME, TrainJob, select_runtime
 
 
@@ -39,9 +40,13 @@ class TrainCommand(Command):
                             help="start a new run (step 0, fresh optimizer, schedule and data order) from a "
                                  "checkpoint's weights (and adapter); works at any world size, batch size or strategy")
         parser.add_argument("--overwrite", action="store_true",
-                            help="start a new run even though train.output_dir holds another run's checkpoints: "
-                                 "its checkpoints, final model and logs are removed (caches stay); without it such a "
-                                 "start is refused (continue that run with --resume latest instead)")
+                            help="start a new run even though train.output_dir holds another run's checkpoints or "
+                                 "logs: its checkpoints, final model and logs are removed (caches and files a run does "
+                                 "not write stay); without it such a start is refused (continue that run with --resume "
+                                 "latest, or set a new train.output_dir)")
+        parser.add_argument("--show-warnings", action="store_true",
+                            help="show the third-party warnings Twinkle hides as noise (twinkle_core.known_warnings; "
+                                 "also TWINKLE_SHOW_WARNINGS=1)")
         parser.add_argument("--dry-run", action="store_true",
                             help="validate the recipe (keys, plugin names, local files, component options, adapter "
                                  "keys, model / strategy / mesh), print it resolved, and exit without training")
@@ -92,10 +97,14 @@ class TrainCommand(Command):
 
 
 def train_in_process(recipe: Any, args: argparse.Namespace) -> dict[str, Any] | None:
-    """Train this process's rank of the job; the run's summary on rank 0 (``None`` on the others)."""
+    """Train this process's rank of the job; the run's summary on rank 0 (``None`` on the others). This process
+    computes with the torch threads :func:`twinkle_core.threads.configure_threads` chooses (its share of the
+    free cores, unless ``OMP_NUM_THREADS`` says otherwise)."""
+    from twinkle_core.threads import threads_for_run
     from twinkle_core.train.loop import train
 
-    summary = train(recipe, resume_weights_only=args.resume_weights_only, overwrite=args.overwrite)
+    with threads_for_run():
+        summary = train(recipe, resume_weights_only=args.resume_weights_only, overwrite=args.overwrite)
     return summary if int(os.environ.get("RANK", "0")) == 0 else None
 
 
@@ -112,6 +121,7 @@ def train_this_process(argv: list[str]) -> dict[str, Any] | None:
         raise ConfigError(f"a launched rank runs `train RECIPE ...`, got {argv[:1]}")
     args = parser.parse_args(argv[1:])
     args.world_size = None  # this process trains; the runtime that started it already launched the job
+    quiet_known_warnings(show=args.show_warnings)  # what twinkle's entry point does in a process it starts
     recipe, _ = validated_recipe(args, start_startup_timer())
     configure_logging()
     return train_in_process(recipe, args)
@@ -120,7 +130,8 @@ def train_this_process(argv: list[str]) -> dict[str, Any] | None:
 def train_job(args: argparse.Namespace) -> TrainJob:
     """The job every rank of a launched run executes, from the launching command line."""
     return TrainJob(recipe=args.recipe, overrides=tuple(args.overrides), resume=args.resume,
-                    resume_weights_only=args.resume_weights_only, overwrite=bool(getattr(args, "overwrite", False)))
+                    resume_weights_only=args.resume_weights_only, overwrite=bool(getattr(args, "overwrite", False)),
+                    show_warnings=bool(getattr(args, "show_warnings", False)))
 
 
 def validated_recipe(args: argparse.Namespace, timer: Any) -> tuple[Any, str]:

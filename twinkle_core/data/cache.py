@@ -229,13 +229,15 @@ def cached_features(cache_dir: str, key: str, build: Callable[[], Sequence[Input
                     description: str = "", info: dict[str, Any] | None = None) -> Sequence[InputFeature]:
     """The features of entry ``key`` under ``cache_dir``, built with ``build()`` (and written) when missing.
 
-    In a multi-process job the main process builds and writes; the others wait for it, then read the
-    entry (a rank that cannot see it, e.g. on another machine without a shared ``cache_dir``, builds
-    its own features)."""
+    In a multi-process job whose process group exists, the main process builds and writes; the others wait for
+    it, then read the entry (a rank that cannot see it, e.g. on another machine without a shared ``cache_dir``,
+    builds its own features, with a warning). Before the group exists (the trainer loads its data before the
+    model's strategy joins the group) the ranks cannot wait for each other: each reads the entry, or builds and
+    writes it itself (an entry is renamed into place whole, and the first one written is kept)."""
     from twinkle_core import distributed
 
     directory = os.path.join(cache_dir, key)
-    multi = distributed.world_size() > 1
+    multi = distributed.world_size() > 1 and distributed.has_process_group()
     main = distributed.is_main_process()
     if not multi or main:
         found = _read(directory)

@@ -7,18 +7,21 @@
 
 One run per output directory, also over time: :func:`check_start` runs before anything is built (the trainer calls
 it once it holds the directory's lock; ``twinkle train`` also before launching). A new run (no ``--resume``; a
-``--resume-weights-only`` run is a new run too) into a directory that holds another run's checkpoints or ``final``
-model is refused with a :class:`~twinkle_core.errors.ConfigError` naming that run and the two ways on:
-``--resume latest`` continues it, ``--overwrite`` discards it. With ``--overwrite`` the trainer calls
+``--resume-weights-only`` run is a new run too) into a directory that holds another run's checkpoints, ``final``
+model or log (a run that stopped before its first checkpoint) is refused with a
+:class:`~twinkle_core.errors.ConfigError` naming the directory, that run's files and the three ways on:
+``--resume latest`` continues it, ``--overwrite`` discards it, or another ``train.output_dir``. A cache
+(``data_cache``) alone is no run. With ``--overwrite`` the trainer calls
 :func:`discard_previous_run` on the main process once the model is built and any ``--resume-weights-only`` weights
 are loaded (so ``--resume-weights-only latest --overwrite`` starts a new run in its own directory from the newest
 checkpoint there, read before it is removed), between two barriers. It removes the checkpoints, ``final``, their
-staging leftovers and the run's records (:data:`RUN_RECORDS`), logging each; caches (``data_cache`` ...) and
-anything else stay.
+staging leftovers and the run's records (:data:`RUN_RECORDS`), logging each: only what a run writes. Caches
+(``data_cache`` ...) and any other file stay, and are listed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import shutil
@@ -51,6 +54,9 @@ logger = logging.getLogger("twinkle.train")
 
 #: what a run writes into its output directory besides checkpoints: removed by ``--overwrite`` with them
 RUN_RECORDS = (LOG_FILE, "summary.json", CURVES_FILE, "recipe.yaml", "tensorboard")
+#: the records that show a run trained in a directory even when it saved nothing (it stopped before its first
+#: checkpoint): a new run there would append its log lines to that run's
+RUN_TRACES = (LOG_FILE, "summary.json")
 #: what an interrupted save leaves beside its checkpoint (:func:`twinkle_core.checkpoint.atomic_directory`)
 _STAGING = re.compile(rf"^\.(checkpoint-\d+(-interrupted)?|{FINAL_NAME})\.(incomplete|replaced)$")
 _OVERWRITE_HINT = "(Python: train(..., resume='latest') or train(..., overwrite=True))"
@@ -87,8 +93,8 @@ def check_start(output_dir: str | Path, *, resume: str | None = None, weights_on
 
     ``resume`` (``--resume`` / ``train.resume``) continues a run: a checkpoint it names must exist and have its
     marker, and ``latest`` must find a checkpoint to continue where a previous run left only ``final``.
-    Otherwise the run is new (``weights_only`` included) and ``output_dir`` must hold no checkpoint or ``final``
-    of another run, unless ``overwrite``.
+    Otherwise the run is new (``weights_only`` included) and ``output_dir`` must hold no checkpoint, ``final`` or
+    log (:data:`RUN_TRACES`) of another run, unless ``overwrite``. A cache (``data_cache``) is not a run.
     """
     output_dir = Path(output_dir)
     if overwrite and resume:
@@ -97,9 +103,9 @@ def check_start(output_dir: str | Path, *, resume: str | None = None, weights_on
         locate_checkpoint(resume, output_dir, "--resume")
     if weights_only and weights_only != "latest":
         locate_checkpoint(weights_only, output_dir, "--resume-weights-only")
-    previous = previous_run(output_dir)
+    previous = _previous_run(output_dir)
     if resume:
-        if resume == "latest" and previous is not None and not previous.checkpoints:
+        if resume == "latest" and previous is not None and previous.final is not None and not previous.checkpoints:
             raise ConfigError(
                 f"--resume latest: train.output_dir {output_dir} holds no checkpoint-N to continue, only the final "
                 f"model of {previous.describe()}: that run finished, there is nothing to resume. To train again from "
@@ -113,11 +119,30 @@ def check_start(output_dir: str | Path, *, resume: str | None = None, weights_on
         source = (" --resume-weights-only starts a new run: with --overwrite the weights of its checkpoint are "
                   "loaded first, then the previous run's files are removed; or write the new run elsewhere (the "
                   "checkpoint stays where it is).")
+    if previous.paths:
+        logs = f" and its logs ({', '.join(p.name for p in previous.records)})" if previous.records else ""
+        raise ConfigError(
+            f"train.output_dir {output_dir} already holds the checkpoints of {previous.describe()}{logs}; a new run "
+            f"there would mix its checkpoints, final model and logs with that run's.{source} Continue that run with "
+            f"--resume latest, or discard it with --overwrite (removes its checkpoints, final model and logs), or set "
+            f"train.output_dir to a new directory {_OVERWRITE_HINT}")
     raise ConfigError(
-        f"train.output_dir {output_dir} already holds the checkpoints of {previous.describe()}; a new run there would "
-        f"mix its checkpoints, final model and logs with that run's.{source} Continue that run with --resume latest, "
-        f"or discard it with --overwrite (removes its checkpoints, final model and logs), or set train.output_dir "
-        f"to a new directory {_OVERWRITE_HINT}")
+        f"train.output_dir {output_dir} already holds the logs of {previous.describe()}, a run that saved no "
+        f"checkpoint; a new run there would append its log lines and curves to that run's.{source} Discard them with "
+        f"--overwrite, or set train.output_dir to a new directory, or keep appending with --resume latest (which "
+        f"starts from step 0, as there is no checkpoint) {_OVERWRITE_HINT}")
+
+
+def _previous_run(output_dir: Path) -> PreviousRun | None:
+    """:func:`~twinkle_core.checkpoint.previous_run` with the run's :data:`RUN_TRACES`; a directory with traces and
+    no checkpoint holds a run too."""
+    previous = previous_run(output_dir)
+    traces = tuple(output_dir / name for name in RUN_TRACES if (output_dir / name).exists())
+    if not traces:
+        return previous
+    if previous is None:
+        return PreviousRun(output_dir=output_dir, checkpoints=(), final=None, run_id=None, records=traces)
+    return dataclasses.replace(previous, records=traces)
 
 
 def discard_previous_run(previous: PreviousRun) -> list[Path]:
@@ -141,7 +166,8 @@ def discard_previous_run(previous: PreviousRun) -> list[Path]:
                        ", ".join(p.name for p in removed))
     kept = sorted(path.name for path in root.iterdir() if path.name != LOCK_FILE) if root.is_dir() else []
     if kept:
-        logger.info("--overwrite: kept %s in %s (caches and files that are not the run's)", ", ".join(kept), root)
+        logger.info("--overwrite: kept %s in %s (caches, and files a run does not write: they are never removed)",
+                    ", ".join(kept), root)
     return removed
 
 

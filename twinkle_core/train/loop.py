@@ -26,8 +26,9 @@ run it continues), and ``resume: latest`` only considers the checkpoints of the 
 
 A new run does not mix with an earlier one either: once the lock is held, and before anything is built, a run
 that does not resume (``--resume-weights-only`` starts a new run too) into an ``output_dir`` holding another run's
-``checkpoint-N`` or ``final`` is refused with a ConfigError naming that run and the fixes (``--resume latest`` to
-continue it, ``--overwrite`` to discard it; :func:`twinkle_core.train.checkpointing.check_start`). With
+``checkpoint-N``, ``final`` or log is refused with a ConfigError naming that run and the fixes (``--resume latest``
+to continue it, ``--overwrite`` to discard it, or another ``output_dir``;
+:func:`twinkle_core.train.checkpointing.check_start`). With
 ``overwrite`` the main process removes that run's checkpoints, ``final`` and logs once the model is built and a
 ``--resume-weights-only`` checkpoint's weights are loaded, between barriers (so ``--resume-weights-only latest
 --overwrite`` starts over in its own directory from the newest checkpoint there). A resume must name a checkpoint
@@ -447,7 +448,10 @@ def train(recipe: Recipe | str | os.PathLike[str] | dict[str, Any], *, overrides
 
     ``recipe`` is a :class:`Recipe`, a YAML path or a mapping; ``resume`` is a checkpoint directory or
     ``"latest"`` (default: ``train.resume``). A new run into an ``output_dir`` that holds another run's
-    checkpoints is refused unless ``overwrite`` (which then removes them, ``twinkle train --overwrite``).
+    checkpoints or log is refused unless ``overwrite`` (which then removes them, ``twinkle train --overwrite``).
+    Unlike ``twinkle train``, it leaves the torch threads and warning filters of the calling program as they are
+    (:func:`twinkle_core.threads.configure_threads` and :func:`twinkle_core.known_warnings.quiet_known_warnings`
+    apply the command's choices).
     """
     if isinstance(recipe, (str, os.PathLike)):
         recipe = load_recipe(recipe, overrides)

@@ -116,6 +116,7 @@ def chat(args: argparse.Namespace) -> int:
         tokenizer_source,
         verify_checkpoint_files,
     )
+    from twinkle_core.threads import configure_threads
 
     # wrong options and a wrong path fail before any weights load
     generation_kwargs(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
@@ -127,6 +128,8 @@ def chat(args: argparse.Namespace) -> int:
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"the tokenizer in {tokenizer_source(ckpt)} has no chat template: save one with it "
                           f"('chat_template' in tokenizer_config.json, or chat_template.jinja) to chat")
+    # this process's share of the free cores, unless OMP_NUM_THREADS says otherwise
+    configure_threads(say=lambda line: print(f"twinkle: {line}", file=sys.stderr))
     session = ChatSession(load_model(ckpt, dtype=args.dtype, device=args.device), tokenizer, system=args.system,
                           temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)
     if args.prompt is not None:

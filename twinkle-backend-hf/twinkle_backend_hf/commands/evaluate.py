@@ -254,6 +254,7 @@ def evaluate(args: argparse.Namespace) -> int:
         tokenizer_source,
         verify_checkpoint_files,
     )
+    from twinkle_core.threads import configure_threads
 
     tasks = checked_tasks(args)
     checked_device(args.device)
@@ -266,6 +267,8 @@ def evaluate(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.data} holds chats and the tokenizer in {tokenizer_source(ckpt)} has no chat "
                           f"template: save one with it ('chat_template' in tokenizer_config.json, or "
                           f"chat_template.jinja), or evaluate text rows ({{\"text\": ...}})")
+    # this process's share of the free cores, unless OMP_NUM_THREADS says otherwise
+    configure_threads(say=lambda line: print(f"twinkle: {line}", file=sys.stderr))
     model = load_model(ckpt, dtype=args.dtype, device=args.device)
     results: dict[str, Any] = {"checkpoint": str(ckpt.path), "data": args.data, "metrics": {}}
     if examples:

@@ -70,6 +70,7 @@ def _check_shard_size(value: str) -> None:
 
 def export(ckpt: Any, output: Path, *, merge_lora: bool, max_shard_size: str, dtype: str = "auto") -> Path:
     """Write ``ckpt`` to ``output`` (replacing it whole, atomically) with its ``twinkle_export.json`` marker."""
+    from twinkle_backend_hf import compat
     from twinkle_backend_hf.commands.checkpoint_loading import (
         atomic_export_directory,
         load_model,
@@ -82,6 +83,7 @@ def export(ckpt: Any, output: Path, *, merge_lora: bool, max_shard_size: str, dt
     size: Any = int(max_shard_size) if str(max_shard_size).strip().isdigit() else max_shard_size
     metadata = {"kind": "twinkle-export", "source": str(ckpt.path), "base": ckpt.base,
                 "content": "adapter" if ckpt.kind == "adapter" and not merge else "model"}
+    compat.unwrap_without_importing_deepspeed()  # save_pretrained would import DeepSpeed (4.5 s, a warning)
     with atomic_export_directory(output, metadata) as staging:
         if ckpt.kind == "full" or merge:
             model.config.use_cache = True  # training turns the KV cache off; the exported model generates with it
