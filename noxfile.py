@@ -80,7 +80,8 @@ def ray(session: nox.Session) -> None:
 @nox.session
 def server(session: nox.Session) -> None:
     """twinkle-server: the scheduler, tenancy and registry; a real `twinkle serve` on loopback driven by the
-    unmodified Tinker SDK and by the native client; kill -9 and restart; the console in headless chromium."""
+    unmodified Tinker SDK and by the native client; kill -9 and restart; the console in headless chromium; a base
+    model on a Ray worker group (twinkle-ray, installed in .venv by scripts/bootstrap.sh: the server's `ray` extra)."""
     _pytest(session, "twinkle-server/tests", "-m", "not slow")
 
 

@@ -8,11 +8,17 @@ import textwrap
 
 import pytest
 
-from twinkle_core.testing.conformance import ModelContract, TaskContract
+from twinkle_core.testing.conformance import LoraTargetContract, ModelContract, TaskContract
 from twinkle_core.testing.reference import make_reference_model
 
 
 class TestReferenceBackend(ModelContract):
+    @pytest.fixture
+    def twinkle_factory(self):
+        return make_reference_model
+
+
+class TestReferenceBackendLoraTargets(LoraTargetContract):
     @pytest.fixture
     def twinkle_factory(self):
         return make_reference_model

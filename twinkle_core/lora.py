@@ -20,7 +20,11 @@ from typing import Any
 
 from twinkle_core.errors import ConfigError
 
-__all__ = ["ALIASES", "OPTIONS", "LoraSettings"]
+__all__ = ["ALIASES", "OPTIONS", "TARGET_KINDS", "LoraSettings"]
+
+#: the kinds of layer ``TwinkleModel.lora_target_modules()`` names LoRA targets for: attention projections, feed-forward
+#: projections, the LM head (a service's ``train_attn`` / ``train_mlp`` / ``train_unembed`` switches)
+TARGET_KINDS = ("attn", "mlp", "unembed")
 
 #: other frameworks' names for PEFT's LoRA options
 ALIASES = {"alpha": "lora_alpha", "rank": "r", "dropout": "lora_dropout", "target": "target_modules"}

@@ -3,10 +3,16 @@
 import pytest
 from twinkle_backend_hf.testing import make_tiny_model, make_tiny_multi_lora_model
 
-from twinkle_core.testing.conformance import ModelContract, TaskContract
+from twinkle_core.testing.conformance import LoraTargetContract, ModelContract, TaskContract
 
 
 class TestTransformersModelContract(ModelContract):
+    @pytest.fixture
+    def twinkle_factory(self):
+        return make_tiny_model
+
+
+class TestTransformersModelLoraTargets(LoraTargetContract):
     @pytest.fixture
     def twinkle_factory(self):
         return make_tiny_model

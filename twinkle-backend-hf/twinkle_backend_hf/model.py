@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from twinkle_backend_hf import adapters, model_dir
+from twinkle_backend_hf import adapters, compat, lora_targets, model_dir
 from twinkle_core.errors import ConfigError
 from twinkle_core.model.torch_model import TorchTwinkleModel
 from twinkle_core.sources import resolve
@@ -155,6 +155,9 @@ class TransformersModel(TorchTwinkleModel):
     def export_config(self) -> Any:
         return self.hf_model.config
 
+    def lora_target_modules(self) -> dict[str, list[str]]:
+        return lora_targets.by_kind(self.hf_model)
+
     @property
     def network(self) -> Any:
         """The underlying ``transformers`` model (inside PEFT's wrapper when adapters exist)."""
@@ -212,6 +215,7 @@ class TransformersModel(TorchTwinkleModel):
             adapters.save_adapter(self.module, adapter_name, state_dict, directory,
                                   task_type="CAUSAL_LM" if causal else None)
         else:
+            compat.unwrap_without_importing_deepspeed()  # no DeepSpeed import (4.5 s, a warning) without DeepSpeed
             self.hf_model.save_pretrained(directory, state_dict={k: v.detach().cpu() for k, v in state_dict.items()},
                                           safe_serialization=True)
         if self.tokenizer is not None:

@@ -22,9 +22,10 @@ from twinkle_core.model.multi_tenant import MultiTenantMixin
 
 
 class MultiLoraTransformersModel(MultiTenantMixin, TransformersModel):
-    supported_strategies = ("single",)
-    strategy_note = ("It runs one process per base model: a data-parallel wrapper captures the parameter set once, "
-                     "while tenants come and go at run time.")
+    supported_strategies = ("single", "grad_allreduce")
+    strategy_note = ("Tenants come and go at run time, while a data-parallel wrapper (ddp, fsdp) captures the parameter "
+                     "set once: on several processes use 'grad_allreduce', which sums each step's gradients over the "
+                     "ranks without wrapping the model.")
 
     _switch: adapters.AdapterSwitch | None = None
     _switch_wrapped: Any = None  # the wrapped module the switch was built for

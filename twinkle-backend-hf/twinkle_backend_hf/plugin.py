@@ -18,6 +18,8 @@ def twinkle_register_models():
 @hookimpl
 def twinkle_register_strategies():
     yield StrategyRecord("ddp", f"{_PKG}.strategies.ddp:DDPStrategy", "torch DistributedDataParallel")
+    yield StrategyRecord("grad_allreduce", f"{_PKG}.strategies.grad_allreduce:GradAllReduceStrategy",
+                         "data parallel without a wrapper: gradients summed over the ranks once per step")
     yield StrategyRecord("native_fsdp", f"{_PKG}.strategies.fsdp:NativeFSDPStrategy", "FSDP2 fully_shard + DCP")
     yield StrategyRecord("accelerate", f"{_PKG}.strategies.accelerate:AccelerateStrategy", "FSDP via Accelerate")
     yield StrategyRecord("deepspeed", f"{_PKG}.strategies.deepspeed:DeepSpeedStrategy", "DeepSpeed ZeRO 1/2/3")

@@ -3,7 +3,7 @@
 Parity: the same tiny Hugging Face weights trained 10 AdamW steps (cosine schedule, clipping at 1.0)
 give the same losses, pre-clip gradient norms and final logits on the HF backend (one process) and
 on Megatron with TP=2, PP=2 (also with tied embeddings), PP=2 x VPP=2, TP=2 x PP=2 (4 ranks), EP=2
-(Qwen3-MoE), DP=2 with the distributed optimizer, and LoRA at TP=2 and PP=2 (fp32; within the HF
+(Qwen3-MoE), DP=2 with the distributed optimizer, and LoRA (the LM head's too) at TP=2 and PP=2 (fp32; within the HF
 reference's own float noise: its distance from the same run with its rows reversed and from the run in
 float64, see ``twinkle_core.testing.tolerance``).
 Every job runs under a hard timeout.
@@ -20,6 +20,7 @@ import torch
 import transformers
 from torchrun_job import torchrun
 from twinkle_backend_hf.model import TransformersModel
+from twinkle_backend_megatron.lora import ALL_LINEAR, HEAD
 from twinkle_backend_megatron.testing import tiny_llama_config, tiny_qwen2_config
 
 from twinkle_core.testing.conformance import LORA_CONFIG, make_batch
@@ -40,6 +41,8 @@ SCRIPT = os.path.join(HERE, "scripts", "train_losses.py")
 TOKENS_PER_STEP = 8 * 12
 #: an upper bound of the trainable parameters of the tiny models (the squared grad norm sums over them)
 PARAMETERS = 200_000
+#: the LoRA runs' adapter: every projection and the LM head (replicated over TP ranks, on the last pipeline stage)
+LORA_TARGETS = [*ALL_LINEAR, HEAD]
 
 
 def _reference(make_model, float64: bool = True) -> dict:
@@ -72,12 +75,12 @@ def weights(tmp_path_factory):
         # transformers' grouped expert matmul has no float64 kernel: the MoE reference keeps the reversal alone
         refs[name] = _reference(lambda name=name: TransformersModel(model_id=paths[name]), float64=name != "moe")
     start = TransformersModel(model_id=paths["qwen2"])
-    start.add_adapter_to_model("t", {**LORA_CONFIG, "init_lora_weights": False})
+    start.add_adapter_to_model("t", {**LORA_CONFIG, "target_modules": LORA_TARGETS, "init_lora_weights": False})
     paths["lora"] = start.save("lora", output_dir=str(root), save_optimizer=False)
 
     def lora_model():
         hf = TransformersModel(model_id=paths["qwen2"])
-        hf.add_adapter_to_model("t", copy.deepcopy(LORA_CONFIG))
+        hf.add_adapter_to_model("t", {**copy.deepcopy(LORA_CONFIG), "target_modules": LORA_TARGETS})
         hf.load(paths["lora"], adapter_name="t")
         return hf
 
@@ -147,7 +150,8 @@ def test_tensor_parallel_lora_and_distributed_optimizer_parity(weights, tmp_path
     paths, refs = weights
     full, lora, sharded = _megatron(tmp_path, [
         {"model": paths["qwen2"], "mesh": {"tp": 2}},
-        {"model": paths["qwen2"], "mesh": {"tp": 2}, "lora": paths["lora"], "save": str(tmp_path)},
+        {"model": paths["qwen2"], "mesh": {"tp": 2}, "lora": paths["lora"], "lora_targets": LORA_TARGETS,
+         "save": str(tmp_path)},
         {"model": paths["qwen2"], "mesh": {"dp": 2}, "strategy_options": {"distributed_optimizer": True}}])
     _assert_parity(full, refs["qwen2"])
     _assert_parity(sharded, refs["qwen2"])
@@ -166,7 +170,7 @@ def test_pipeline_parallel_parity_errors_and_hf_checkpoint(weights, tmp_path):
         {"model": paths["qwen2"], "mesh": {"pp": 2}, "pp_errors": True, "save": str(tmp_path)},
         {"model": paths["llama4"], "mesh": {"pp": 2, "vpp": 2}},
         {"model": paths["tied"], "mesh": {"pp": 2}},  # the embedding is shared by the first and last stage
-        {"model": paths["qwen2"], "mesh": {"pp": 2}, "lora": paths["lora"]}])
+        {"model": paths["qwen2"], "mesh": {"pp": 2}, "lora": paths["lora"], "lora_targets": LORA_TARGETS}])
     _assert_parity(plain, refs["qwen2"])
     _assert_parity(virtual, refs["llama4"])
     # the tied matrix sums two gradient contributions (embedding, output) in another order than HF

@@ -22,7 +22,13 @@ from twinkle_backend_megatron.testing import (
 )
 
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
-from twinkle_core.testing.conformance import LORA_CONFIG, ModelContract, TaskContract, make_batch
+from twinkle_core.testing.conformance import (
+    LORA_CONFIG,
+    LoraTargetContract,
+    ModelContract,
+    TaskContract,
+    make_batch,
+)
 from twinkle_core.testing.tolerance import (
     assert_within_spread,
     forward_tolerance,
@@ -33,6 +39,14 @@ from twinkle_core.testing.tolerance import (
 
 class TestMegatronModelContract(ModelContract):
     """The core's suite, unchanged, against MegatronModel in one process."""
+
+    @pytest.fixture
+    def twinkle_factory(self):
+        return make_tiny_model
+
+
+class TestMegatronModelLoraTargets(LoraTargetContract):
+    """LoRA targets by kind: q/k/v/o_proj, gate/up/down_proj, the output layer."""
 
     @pytest.fixture
     def twinkle_factory(self):

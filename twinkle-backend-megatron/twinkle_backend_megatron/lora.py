@@ -1,10 +1,10 @@
 """LoRA on megatron-core's column- and row-parallel linear layers, equivalent to PEFT's LoRA on the HF model.
 
 Each Hugging Face projection PEFT would adapt (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``,
-``gate_proj``, ``up_proj``, ``down_proj``) gets its own ``lora_A`` / ``lora_B``, also where Megatron
-fuses projections into one layer (``linear_qkv`` = q, k, v in per-query-group order; ``linear_fc1`` =
-gate and up). So a Megatron adapter is exactly a PEFT adapter: it exports to and imports from PEFT's
-files one to one, with ``delta = (alpha / r) * B @ A`` per projection.
+``gate_proj``, ``up_proj``, ``down_proj`` and the LM head ``lm_head``) gets its own ``lora_A`` / ``lora_B``,
+also where Megatron fuses projections into one layer (``linear_qkv`` = q, k, v in per-query-group order;
+``linear_fc1`` = gate and up). So a Megatron adapter is exactly a PEFT adapter: it exports to and imports
+from PEFT's files one to one, with ``delta = (alpha / r) * B @ A`` per projection.
 
 Tensor parallelism, consistent with the base layer's sharding:
 
@@ -13,7 +13,10 @@ Tensor parallelism, consistent with the base layer's sharding:
   that its gradient (and so ``A``'s) sums every rank's output shard;
 * row-parallel layers (input split over TP): ``A`` [r, in/tp] is split by columns, the partial
   ``x_t A_t^T`` is summed over TP ranks (``reduce_from_tensor_model_parallel_region``) and ``B``
-  [out, r] is replicated.
+  [out, r] is replicated;
+* the LM head (``output_layer``, whose logits the model gathers over TP ranks): ``A`` and ``B`` [vocab, r]
+  are replicated and every rank adds the whole delta to the gathered logits (zero on Megatron's padding
+  rows of the vocabulary).
 
 The adapters hang under each adapted layer as ``<layer>.lora.<adapter>.<projection>.lora_A/B`` and add
 their delta through a forward hook, for the adapter the model has made active only.
@@ -32,8 +35,14 @@ import torch
 from twinkle_core.errors import ConfigError
 from twinkle_core.lora import LoraSettings
 
-#: HF projection names of a dense decoder layer ("all-linear" in PEFT's sense: every linear but lm_head)
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: HF projection names of a decoder layer's attention and of its dense MLP (MoE experts are fused parameters in HF,
+#: not PEFT targets)
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+#: "all-linear" in PEFT's sense: every linear but the LM head
+ALL_LINEAR = ATTENTION + MLP
+#: the HF name of the LM head (Megatron's ``output_layer``)
+HEAD = "lm_head"
 #: the PEFT LoRA options a dict adapter config may give on this backend
 SUPPORTED_OPTIONS = frozenset({"r", "lora_alpha", "lora_dropout", "target_modules", "bias", "use_rslora",
                                "init_lora_weights", "exclude_modules", "layers_to_transform", "layers_pattern"})
@@ -59,6 +68,12 @@ def to_lora_config(config: Any) -> Any:
     return lora_settings(config).to_peft()
 
 
+def target_modules(spec: Any) -> dict[str, list[str]]:
+    """``TwinkleModel.lora_target_modules()`` of a model of ``spec`` (``convert.ModelSpec``): what this module's
+    layers adapt, by kind."""
+    return {"attn": list(ATTENTION), "mlp": [] if spec.num_experts else list(MLP), "unembed": [HEAD]}
+
+
 def _targets(lora: Any, module_name: str) -> bool:
     import copy
 
@@ -78,6 +93,11 @@ class Projection:
     hf_name: str  # model.layers.3.self_attn.q_proj
     in_features: int
     out_features: int
+
+    @property
+    def short_name(self) -> str:
+        """``q_proj``, ``lm_head``: the projection's key inside its layer's adapter entry."""
+        return self.hf_name.rsplit(".", 1)[-1]
 
 
 class LoraProjection(torch.nn.Module):
@@ -105,7 +125,7 @@ class LoraProjection(torch.nn.Module):
         a, b = self.shard_a(a), self.shard_b(b)
         self.lora_A = torch.nn.Parameter(a.contiguous())
         self.lora_B = torch.nn.Parameter(b.contiguous())
-        # row-parallel layers split A's input columns, column-parallel ones B's output rows
+        # row-parallel layers split A's input columns, column-parallel ones B's output rows; "replicated": neither
         set_tensor_model_parallel_attributes(self.lora_A, parallel == "row" and tp_size > 1, 1, 1)
         set_tensor_model_parallel_attributes(self.lora_B, parallel == "column" and tp_size > 1, 0, 1)
 
@@ -122,9 +142,10 @@ class LoraProjection(torch.nn.Module):
         )
 
         h = torch.nn.functional.linear(self.dropout(x), self.lora_A.to(x.dtype))
-        if self.tp_size > 1:
-            h = (copy_to_tensor_model_parallel_region(h) if self.parallel == "column"
-                 else reduce_from_tensor_model_parallel_region(h))
+        if self.tp_size > 1 and self.parallel == "column":
+            h = copy_to_tensor_model_parallel_region(h)
+        elif self.tp_size > 1 and self.parallel == "row":
+            h = reduce_from_tensor_model_parallel_region(h)
         return torch.nn.functional.linear(h, self.lora_B.to(x.dtype)) * self.scaling
 
 
@@ -135,8 +156,8 @@ class ActiveAdapter:
         self.name: str | None = None
 
 
-def _combine(kind: str, deltas: list[torch.Tensor], groups: int) -> torch.Tensor:
-    """Put the per-projection deltas where the fused Megatron layer's output has them."""
+def _combine(kind: str, deltas: list[torch.Tensor], groups: int, width: int) -> torch.Tensor:
+    """Put the per-projection deltas where the fused Megatron layer's output (``width`` wide) has them."""
     if kind == "qkv":
         q, k, v = deltas
         lead = q.shape[:-1]
@@ -144,6 +165,12 @@ def _combine(kind: str, deltas: list[torch.Tensor], groups: int) -> torch.Tensor
         return torch.cat(parts, -1).reshape(*lead, -1)
     if kind == "gated":
         return torch.cat(deltas, -1)
+    if kind == "head":  # the gathered logits of Megatron's padded vocabulary: its padding rows get no delta
+        pad = width - deltas[0].shape[-1]
+        if pad < 0:
+            raise ConfigError(f"LoRA on the LM head needs the full (gathered) logits, got {width} of "
+                              f"{deltas[0].shape[-1]} columns; build the GPTModel with parallel_output=False")
+        return torch.nn.functional.pad(deltas[0], (0, pad))
     return deltas[0]
 
 
@@ -165,15 +192,14 @@ class LayerAdapters:
             return output
         entry = module.lora[name]
         x = args[0] if args else kwargs["input_"]
-        deltas = [entry[p.hf_name.rsplit(".", 1)[1]].delta(x) if p.hf_name.rsplit(".", 1)[1] in entry
-                  else None for p in self.projections]
+        deltas = [entry[p.short_name].delta(x) if p.short_name in entry else None for p in self.projections]
         if all(d is None for d in deltas):
             return output
         out, bias = output if isinstance(output, tuple) else (output, None)
         if any(d is None for d in deltas):  # only some of a fused layer's projections are adapted
             sizes = [p.out_features // (self.tp_size if self.parallel == "column" else 1) for p in self.projections]
             deltas = [d if d is not None else out.new_zeros((*out.shape[:-1], size)) for d, size in zip(deltas, sizes)]
-        out = out + _combine(self.kind, deltas, self.groups_local)
+        out = out + _combine(self.kind, deltas, self.groups_local, out.shape[-1])
         return (out, bias) if isinstance(output, tuple) else out
 
 
@@ -196,6 +222,10 @@ class MegatronLora:
                 self._full_prefix[id(module)] = f"{index}.{name}" if several else name
             for layer in getattr(chunk.decoder, "layers", []):
                 self._register_layer(layer)
+            head = getattr(chunk, "output_layer", None) if getattr(chunk, "post_process", False) else None
+            if head is not None:  # the last pipeline stage's LM head
+                self.layers.append(LayerAdapters(head, "head", "replicated", [
+                    Projection(HEAD, spec.hidden_size, spec.vocab_size)], 1, self.tp_size, self.active))
 
     def _register_layer(self, layer: torch.nn.Module) -> None:
         spec = self.spec
@@ -220,6 +250,12 @@ class MegatronLora:
             self.layers.append(LayerAdapters(mlp.linear_fc2, "plain", "row", [
                 Projection(prefix + "mlp.down_proj", ffn, hidden)], groups_local, self.tp_size, self.active))
 
+    def _model_projections(self) -> list[str]:
+        """The HF names of every adaptable projection of the whole model (a pipeline stage holds some of them)."""
+        kinds = target_modules(self.spec)
+        return [f"model.layers.{g}.{block}.{p}" for g in range(self.spec.num_layers)
+                for block, names in (("self_attn", kinds["attn"]), ("mlp", kinds["mlp"])) for p in names] + [HEAD]
+
     # ------------------------------------------------------------------ lifecycle
     def add(self, adapter_name: str, config: Any) -> Any:
         if not _NAME.match(adapter_name):
@@ -233,7 +269,7 @@ class MegatronLora:
                 if not _targets(lora, projection.hf_name):
                     continue
                 digest = hashlib.sha256(f"{self.seed}/{adapter_name}/{projection.hf_name}".encode()).digest()
-                entry[projection.hf_name.rsplit(".", 1)[1]] = LoraProjection(
+                entry[projection.short_name] = LoraProjection(
                     projection, r=settings.r, alpha=settings.alpha, dropout=settings.dropout,
                     rslora=settings.use_rslora, parallel=layer.parallel, tp_rank=self.tp_rank,
                     tp_size=self.tp_size, seed=int.from_bytes(digest[:8], "little") % (2**63),
@@ -241,9 +277,9 @@ class MegatronLora:
                 matched += 1
             if len(entry):
                 layer.layer.lora[adapter_name] = entry
-        if not matched:
+        if not matched and not any(_targets(lora, name) for name in self._model_projections()):
             raise ConfigError(f"LoRA target_modules={lora.target_modules!r} match no layer of this model; the "
-                              f"adaptable projections are {', '.join(ALL_LINEAR)}")
+                              f"adaptable projections are {', '.join((*ALL_LINEAR, HEAD))}")
         self.configs[adapter_name] = lora
         return lora
 

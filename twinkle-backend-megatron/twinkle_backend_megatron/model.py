@@ -39,6 +39,7 @@ from twinkle_backend_megatron.adapters import MegatronAdapters
 from twinkle_backend_megatron.build import NetworkOptions, build_network
 from twinkle_backend_megatron.export import MegatronExporter, read_adapter
 from twinkle_backend_megatron.forward import call_chunk, pipeline_error
+from twinkle_backend_megatron.lora import target_modules
 from twinkle_backend_megatron.pipeline import MegatronPipeline, metrics_from_last_stage
 from twinkle_backend_megatron.weights import ShardedWeights, chunks_of
 from twinkle_core.loss.base import LossOutput
@@ -156,6 +157,9 @@ class MegatronModel(TorchTwinkleModel):
 
     def adapter_parameter_names(self, adapter_name: str) -> list[str]:
         return self.lora_adapters.parameter_names(adapter_name)
+
+    def lora_target_modules(self) -> dict[str, list[str]]:
+        return target_modules(self.spec)
 
     # ------------------------------------------------------------------ running: forward.py, pipeline.py
     def run_network(self, module: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,10 @@
         model.clip_grad_and_step(max_grad_norm=1.0)
     model.save("final", output_dir="outputs")
 
+A proxy can also drive models that something else already built in the ranks (a service that keeps more state
+beside its model): ``RemoteModel.attach(group, locate)``, where ``locate()`` runs in each rank and returns that
+rank's model. A subclass may route the calls itself by overriding :meth:`RemoteModel.call_ranks`.
+
 Dispatch: a call with ``inputs=`` sends each data-parallel rank its contiguous slice of the batch along the first
 dimension (ranks that share a data-parallel rank, e.g. tensor-parallel peers, get the same slice); every other
 call goes to every rank unchanged (they are collective: all ranks must make them). Results: rank 0's, except for
@@ -33,6 +37,8 @@ BROADCAST = ("calculate_loss", "backward", "clip_grad_norm", "step", "zero_grad"
              "set_loss", "set_optimizer", "set_lr_scheduler", "add_adapter_to_model", "save", "load",
              "resume_from_checkpoint", "get_state_dict", "add_metric", "calculate_metric", "get_train_configs",
              "export_config")
+#: attributes of the model the proxy reads (rank 0's value)
+ATTRIBUTES = ("network_input_keys",)
 
 
 class RemoteModel:
@@ -40,25 +46,42 @@ class RemoteModel:
     constructor's, identical on every rank."""
 
     def __init__(self, group: WorkerGroup, model: Any, **kwargs: Any) -> None:
+        self._connect(group, group.run("build_model", model, kwargs))
+
+    @classmethod
+    def attach(cls, group: WorkerGroup, locate: Any, *args: Any, **kwargs: Any) -> RemoteModel:
+        """A proxy for models already built in the ranks: ``locate(*args, **kwargs)`` runs in each rank (a
+        module-level function, pickled by Ray) and returns that rank's model."""
+        proxy = cls.__new__(cls)
+        proxy._connect(group, group.run("attach_model", locate, args, kwargs))
+        return proxy
+
+    def _connect(self, group: WorkerGroup, coordinates: list[dict[str, int]]) -> None:
         self.group = group
-        coordinates = group.run("build_model", model, kwargs)
         self.dp_ranks = [c["dp_rank"] for c in coordinates]
         self.dp_size = coordinates[0]["dp_size"]
+
+    def call_ranks(self, calls: Sequence[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        """Run ``calls[r]`` (method, args, kwargs) on rank ``r``'s model; the results in rank order. Every call of
+        the proxy reaches the ranks through here."""
+        return self.group.run_each("call", list(calls))
 
     def __getattr__(self, name: str) -> Any:
         if name in BATCHED:
             return lambda **kwargs: self._batched(name, kwargs)
         if name in BROADCAST:
-            return lambda *args, **kwargs: self.group.run("call", name, args, kwargs)[0]
-        raise AttributeError(f"{type(self).__name__} forwards the public model API ({', '.join(BATCHED + BROADCAST)}); "
-                             f"{name!r} is not part of it")
+            return lambda *args, **kwargs: self.call_ranks([(name, args, kwargs)] * self.group.num_workers)[0]
+        if name in ATTRIBUTES:
+            return self.group.wait([self.group.actors[0].model_attribute.remote(name)])[0]
+        raise AttributeError(f"{type(self).__name__} forwards the public model API "
+                             f"({', '.join(BATCHED + BROADCAST + ATTRIBUTES)}); {name!r} is not part of it")
 
     def _batched(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         inputs = kwargs.pop("inputs", None)
         if inputs is None:
             raise ConfigError(f"{method} needs inputs=: a batch dict of tensors")
         shards = split_batch(inputs, self.dp_size)
-        results = self.group.run_each("call", [(method, (), {**kwargs, "inputs": shards[r]}) for r in self.dp_ranks])
+        results = self.call_ranks([(method, (), {**kwargs, "inputs": shards[r]}) for r in self.dp_ranks])
         first_of_each = [results[self.dp_ranks.index(r)] for r in range(self.dp_size)]
         return merge_outputs(first_of_each)
 

@@ -57,6 +57,20 @@ class TwinkleWorker:
         view = self.model.data_parallel
         return {"dp_rank": view.rank, "dp_size": view.size}
 
+    def attach_model(self, locate: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, int]:
+        """Drive a model already built in this process: ``locate(*args, **kwargs)`` (a module-level function, pickled
+        by Ray) returns it, e.g. the model of a service object that ``apply`` built. Returns the model's
+        data-parallel coordinates, as :meth:`build_model` does."""
+        self.model = locate(*args, **kwargs)
+        view = self.model.data_parallel
+        return {"dp_rank": view.rank, "dp_size": view.size}
+
+    def model_attribute(self, name: str) -> Any:
+        """The value of the model's attribute ``name`` (a property such as ``network_input_keys``)."""
+        if self.model is None:
+            raise RuntimeError("no model built in this worker: call build_model first")
+        return to_host(getattr(self.model, name))
+
     def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.model is None:
             raise RuntimeError("no model built in this worker: call build_model first")

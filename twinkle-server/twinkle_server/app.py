@@ -13,6 +13,7 @@ from typing import Any
 
 from twinkle_server.config import ServerConfig
 from twinkle_server.errors import NotFound, PayloadTooLarge, ServiceError
+from twinkle_server.full_host import is_full_parameter, visible_to
 from twinkle_server.metrics_log import MetricsLog
 from twinkle_server.registry import Registry
 from twinkle_server.scheduler import Scheduler
@@ -33,11 +34,18 @@ class Service:
     hosts: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
 
-    def host(self, base_model: str) -> Any:
+    def host(self, base_model: str, tenant: str | None = None) -> Any:
+        """The host of ``base_model``; a base model hosted for one tenant's full-parameter training exists only for
+        its owner (the tenant named ``tenant``): for anyone else, and without ``tenant``, it is 404 exactly like an
+        unknown one."""
         host = self.hosts.get(base_model)
-        if host is None:
-            raise NotFound(f"base model {base_model!r} is not hosted here; hosted: {sorted(self.hosts)}")
+        if host is None or not visible_to(host, tenant):
+            raise NotFound(f"base model {base_model!r} is not hosted here; hosted: {self.hosted(tenant)}")
         return host
+
+    def hosted(self, tenant: str | None) -> list[str]:
+        """The base models ``tenant`` may know of (a full-parameter one only for its owner)."""
+        return sorted(name for name, host in self.hosts.items() if visible_to(host, tenant))
 
     def tenant(self, api_key: str | None) -> Tenant:
         return self.tenants.authenticate(api_key)
@@ -48,16 +56,44 @@ class Service:
 
     def submit(self, tenant: Tenant, kind: str, base_model: str, work: Callable[[], Any]) -> str:
         """Queue ``work`` on the lane of ``base_model``'s host (model calls on one host never overlap)."""
-        self.host(base_model)
+        self.host(base_model, tenant.name)
         return self.scheduler.submit(tenant.name, kind, work, lane=base_model)
 
 
 def default_host_factory(config: ServerConfig) -> dict[str, Any]:
+    from twinkle_server.full_host import FullParameterHost
     from twinkle_server.host import ModelHost
 
-    return {m.name: ModelHost(m.name, m.model, state_dir=config.state_dir, max_lora_rank=m.max_lora_rank,
-                              max_adapters=m.max_adapters)
-            for m in config.base_models}
+    def make(m: Any) -> Any:
+        if m.ray is not None:  # the model in a worker group of Ray actors (twinkle-ray)
+            from twinkle_server.ray_host import RayModelHost, local_cpus
+
+            return RayModelHost(m.name, m.model, ray=m.ray, state_dir=config.state_dir, max_lora_rank=m.max_lora_rank,
+                                max_adapters=m.max_adapters, local_cpus=local_cpus(config.base_models))
+        return (FullParameterHost(m.name, m.model, owner=m.full_parameter.owner) if m.full_parameter is not None
+                else ModelHost(m.name, m.model, state_dir=config.state_dir, max_lora_rank=m.max_lora_rank,
+                               max_adapters=m.max_adapters))
+
+    hosts: dict[str, Any] = {}
+    try:
+        for m in config.base_models:
+            hosts[m.name] = make(m)
+    except BaseException:
+        close_hosts(hosts)  # a start that fails half-way leaves no worker group behind
+        raise
+    return hosts
+
+
+def close_hosts(hosts: dict[str, Any]) -> None:
+    """Stop what hosts run outside this process (a ``RayModelHost``'s worker group: ``close()``), last first."""
+    for name, host in reversed(list(hosts.items())):
+        close = getattr(host, "close", None)
+        if close is None:
+            continue
+        try:
+            close()
+        except Exception:  # the other hosts are still closed; this one's failure is logged, not hidden
+            log.exception("closing the host of %s failed", name)
 
 
 def restore_adapters(service: Service, state: Any) -> None:
@@ -69,9 +105,9 @@ def restore_adapters(service: Service, state: Any) -> None:
     checkpoints)."""
     for run in service.registry.runs.values():
         host = service.hosts.get(run.base_model)
-        if host is None:
-            log.warning("run %s of tenant %s: base model %s is no longer hosted; its checkpoints stay on disk",
-                        run.model_id, run.tenant, run.base_model)
+        if host is None or is_full_parameter(host):
+            log.warning("run %s of tenant %s: base model %s is no longer hosted for LoRA training; its checkpoints "
+                        "stay on disk", run.model_id, run.tenant, run.base_model)
             continue
         host.create_adapter(run.adapter_id, rank=run.lora_rank, **run.lora)
     # imported here, as the routers are: this module stays importable without FastAPI
@@ -143,13 +179,15 @@ def build_app(config: ServerConfig, *, hosts: dict[str, Any] | None = None,
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         service.hosts = hosts if hosts is not None else host_factory(config)
-        restore_adapters(service, app.state)
-        log.info("twinkle serve: hosting %s for %d tenant(s); state in %s", sorted(service.hosts),
-                 len(config.tenants), config.state_dir)
         try:
+            restore_adapters(service, app.state)
+            log.info("twinkle serve: hosting %s for %d tenant(s); state in %s", sorted(service.hosts),
+                     len(config.tenants), config.state_dir)
             yield
         finally:
             service.scheduler.stop()
+            if hosts is None:  # the hosts this app made: their worker groups stop with it
+                close_hosts(service.hosts)
 
     app = FastAPI(title="Twinkle training service", lifespan=lifespan)
     app.state.service = service

@@ -16,9 +16,11 @@ changing one import::
 
 What differs from a local model, and why:
 
-* the server trains LoRA adapters on a shared, frozen base: full fine-tuning does not exist, and the server refuses
-  LoRA options that would change the base (``bias`` other than ``none``, PiSSA-style initialisations,
-  ``modules_to_save``) and ranks above the base model's ``max_lora_rank``;
+* the server trains LoRA adapters on a shared, frozen base, and refuses LoRA options that would change the base
+  (``bias`` other than ``none``, PiSSA-style initialisations, ``modules_to_save``) and ranks above the base model's
+  ``max_lora_rank``; a base model the server hosts for your full-parameter training (``full_parameter: {owner:
+  you}`` in its config) has no adapters instead: every call trains the model itself, as on a local
+  ``TransformersModel`` without adapters, and ``save`` downloads a Hugging Face model directory;
 * losses, optimizers, schedulers and metrics are chosen by their registered *name* plus options (no code crosses
   the wire); ``forward`` / ``calculate_loss`` / ``backward`` do not exist separately (the graph stays on the
   server): use ``forward_backward``;
@@ -54,6 +56,7 @@ from twinkle_core.errors import ConfigError
 from twinkle_core.model.base import TwinkleModel
 from twinkle_core.sampling import Completion, Sampler, SamplingParams
 from twinkle_server import errors, tensor_wire
+from twinkle_server.full_host import adapter_refusal
 
 log = logging.getLogger("twinkle.client")
 
@@ -135,11 +138,13 @@ class RemoteModel(TwinkleModel):
         self.base_model = name
         self.model_id = name
         self.info = hosted[name]
+        #: the base model is hosted for this tenant's full-parameter training: no adapters, calls train the model
+        self.full_parameter = bool(self.info.get("full_parameter"))
         self.methods = tuple(served["methods"])
         self.registered = {kind: tuple(served[kind]) for kind in ("losses", "optimizers", "schedulers", "metrics")}
         #: the tenant's adapters on this base model (also those of an earlier client: the server keeps them)
-        self._adapters: list[str] = [a["name"] for a in self._get(f"{API}/adapters",
-                                                                  params={"base_model": name})["adapters"]]
+        self._adapters: list[str] = [] if self.full_parameter else [
+            a["name"] for a in self._get(f"{API}/adapters", params={"base_model": name})["adapters"]]
 
     # ------------------------------------------------------------------ HTTP
     def close(self) -> None:
@@ -173,11 +178,25 @@ class RemoteModel(TwinkleModel):
     def _call(self, method: str, adapter_name: str | None, **args: Any) -> Any:
         name = self._resolve(adapter_name)
         payload = {"method": method, "args": tensor_wire.encode(args), "wait_s": self.wait_s}
-        result = self._finish(self._http.post(f"{API}/adapters/{name}/call", json=payload))
-        return tensor_wire.decode(result, where=f"{method} result")
+        if self.full_parameter:  # the model itself, named by its base model
+            response = self._http.post(f"{API}/full/call", json={**payload, "base_model": self.base_model})
+        else:
+            response = self._http.post(f"{API}/adapters/{name}/call", json=payload)
+        return tensor_wire.decode(self._finish(response), where=f"{method} result")
 
-    def _resolve(self, adapter_name: str | None) -> str:
-        """``adapter_name``, or the only adapter (as a local model resolves ``None``)."""
+    def _checkpoints(self, adapter: str | None) -> tuple[str, dict[str, str]]:
+        """The URL of the checkpoints of ``adapter`` (of the model, on a full-parameter base) and its query."""
+        if self.full_parameter:
+            return f"{API}/full/checkpoints", {"base_model": self.base_model}
+        return f"{API}/adapters/{adapter}/checkpoints", {}
+
+    def _resolve(self, adapter_name: str | None) -> str | None:
+        """``adapter_name``, or the only adapter (as a local model resolves ``None``); ``None`` on a full-parameter
+        base (the model itself)."""
+        if self.full_parameter:
+            if adapter_name is not None:
+                raise ConfigError(adapter_refusal(self.base_model))
+            return None
         if adapter_name is not None:
             return adapter_name
         if len(self._adapters) == 1:
@@ -195,6 +214,8 @@ class RemoteModel(TwinkleModel):
         that name first (its weights, optimizer and counters are lost; its checkpoints stay)."""
         if kwargs:
             raise TypeError(f"add_adapter_to_model got unknown argument(s) {sorted(kwargs)}")
+        if self.full_parameter:
+            raise ConfigError(adapter_refusal(self.base_model))
         if not isinstance(config, dict):
             config = {k: getattr(config, k) for k in _LORA_FIELDS if getattr(config, k, None) is not None}
             if isinstance(config.get("target_modules"), (set, frozenset)):
@@ -307,7 +328,7 @@ class RemoteModel(TwinkleModel):
         return self._call("calculate_metric", adapter_name, reset=reset)
 
     def get_train_configs(self, *, adapter_name: str | None = None) -> dict[str, Any]:
-        if adapter_name is None and len(self._adapters) != 1:
+        if adapter_name is None and len(self._adapters) != 1 and not self.full_parameter:
             return self._without_adapter()
         return self._call("get_train_configs", adapter_name)
 
@@ -327,7 +348,8 @@ class RemoteModel(TwinkleModel):
              extra_state: dict[str, Any] | None = None) -> str:
         """Save the adapter on the server (weights, and with ``save_optimizer`` its training state, as checkpoint
         ``name``), then download its weights, adapter config and tokenizer into ``output_dir/name``: a plain PEFT
-        adapter directory. Returns that local path."""
+        adapter directory (on a full-parameter base: the model's config, safetensors and tokenizer, a Hugging Face
+        model directory). Returns that local path."""
         adapter = self._resolve(adapter_name)
         saved = self._call("save", adapter, name=name, save_optimizer=save_optimizer, extra_state=extra_state)
         return self._download(adapter, saved["name"], [f for f in saved["files"] if f["weights"]], output_dir)
@@ -335,14 +357,17 @@ class RemoteModel(TwinkleModel):
     def download(self, name: str, *, output_dir: str, adapter_name: str | None = None) -> str:
         """Download the weights of checkpoint ``name`` saved on the server into ``output_dir/name``."""
         adapter = self._resolve(adapter_name)
-        files = self._get(f"{API}/adapters/{adapter}/checkpoints/{name}")["files"]
+        url, query = self._checkpoints(adapter)
+        files = self._get(f"{url}/{name}", params=query)["files"]
         return self._download(adapter, name, [f for f in files if f["weights"]], output_dir)
 
     def checkpoints(self, *, adapter_name: str | None = None) -> list[str]:
         """The names of the adapter's checkpoints saved on the server."""
-        return self._get(f"{API}/adapters/{self._resolve(adapter_name)}/checkpoints")["checkpoints"]
+        url, query = self._checkpoints(self._resolve(adapter_name))
+        return self._get(url, params=query)["checkpoints"]
 
-    def _download(self, adapter: str, name: str, files: list[dict[str, Any]], output_dir: str) -> str:
+    def _download(self, adapter: str | None, name: str, files: list[dict[str, Any]], output_dir: str) -> str:
+        url, query = self._checkpoints(adapter)
         final = os.path.join(output_dir, name)
         staging = os.path.join(output_dir, f".{name}.incomplete")
         shutil.rmtree(staging, ignore_errors=True)
@@ -355,7 +380,7 @@ class RemoteModel(TwinkleModel):
                     raise errors.BadRequest(f"the server listed a file outside the checkpoint: {rel!r}")
                 os.makedirs(os.path.dirname(target), exist_ok=True)
                 digest = hashlib.sha256()
-                with self._http.stream("GET", f"{API}/adapters/{adapter}/checkpoints/{name}/files/{rel}") as response:
+                with self._http.stream("GET", f"{url}/{name}/files/{rel}", params=query) as response:
                     if response.status_code >= 400:
                         response.read()
                         raise _error(response)

@@ -10,6 +10,10 @@
         model: {path: /models/qwen2.5-0.5b}  # a recipe's model section
         max_lora_rank: 64
         max_adapters: 32
+        ray: {workers: 2, cpus_per_worker: 1, gpus_per_worker: 0, placement: PACK, address: null}  # optional
+      - name: team/full-qwen                 # or: one tenant's full-parameter training (no LoRA options, no ray)
+        model: {path: /models/qwen2.5-0.5b}
+        full_parameter: {owner: alice}
     tenants:
       - {name: alice, api_key_sha256: 9f86d0...}   # or api_key: tml-... (development), or api_key_env: ALICE_KEY
     limits:
@@ -49,11 +53,36 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class FullParameterConfig:
+    """``full_parameter: {owner: alice}``: the base model is hosted for full-parameter training by ``owner`` alone
+    (:mod:`twinkle_server.full_host`); no other tenant sees it."""
+
+    owner: str
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """``ray: {workers: 2, ...}``: the base model runs in a worker group of ``workers`` Ray actors, one
+    data-parallel rank each (:mod:`twinkle_server.ray_host`), each reserving ``cpus_per_worker`` /
+    ``gpus_per_worker`` in its own placement group (``placement``: Ray's strategy). ``address``: the Ray cluster
+    (``HOST:PORT`` or ``auto``); ``null`` joins ``RAY_ADDRESS`` when set, else starts a local cluster."""
+
+    workers: int = 1
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    placement: str = "PACK"
+    address: str | None = None
+
+
+@dataclass(frozen=True)
 class BaseModelConfig:
     name: str
     model: dict[str, Any]
     max_lora_rank: int = 64
     max_adapters: int | None = None
+    full_parameter: FullParameterConfig | None = None
+    #: ``None``: the model lives in the server's process (no Ray)
+    ray: RayConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -139,7 +168,59 @@ def _base_model(entry: Any, index: int, base_dir: Path | None = None) -> BaseMod
     if not isinstance(rank, int) or rank < 1:
         raise ConfigError(f"base_models[{index}].max_lora_rank must be a positive integer, got {rank!r}")
     return BaseModelConfig(name=entry["name"], model=_local_paths(entry["model"], base_dir), max_lora_rank=rank,
-                           max_adapters=entry.get("max_adapters"))
+                           max_adapters=entry.get("max_adapters"), full_parameter=_full_parameter(entry, index),
+                           ray=_ray(entry, index))
+
+
+def _ray(entry: dict[str, Any], index: int) -> RayConfig | None:
+    """``ray: {workers, cpus_per_worker, gpus_per_worker, placement, address}``, checked before anything starts."""
+    raw = entry.get("ray")
+    if raw is None:
+        return None
+    where = f"base_models[{index}].ray"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping such as {{workers: 2, cpus_per_worker: 1}}")
+    _known(where, raw, RayConfig)
+    if entry.get("full_parameter") is not None:
+        raise ConfigError(f"base_models[{index}] ({entry['name']}): full_parameter runs in the server's process; "
+                          f"remove ray, or remove full_parameter to host LoRA adapters on a worker group")
+    try:
+        from twinkle_ray.worker_group import PLACEMENT_STRATEGIES
+    except ImportError as exc:
+        raise ConfigError(f"{where} needs the Ray runtime: pip install 'twinkle-server[ray]' ({exc})") from None
+    config = RayConfig(**raw)
+    workers, placement = config.workers, str(config.placement).upper()
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"{where}.workers must be a positive integer, got {workers!r}")
+    for key in ("cpus_per_worker", "gpus_per_worker"):
+        value = getattr(config, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"{where}.{key} must be a number >= 0, got {value!r}")
+    if placement not in PLACEMENT_STRATEGIES:
+        raise ConfigError(f"{where}.placement {config.placement!r} is not one of {', '.join(PLACEMENT_STRATEGIES)}")
+    if config.address is not None and not isinstance(config.address, str):
+        raise ConfigError(f"{where}.address must be HOST:PORT, 'auto' or null, got {config.address!r}")
+    return RayConfig(workers=workers, cpus_per_worker=float(config.cpus_per_worker),
+                     gpus_per_worker=float(config.gpus_per_worker), placement=placement, address=config.address)
+
+
+def _full_parameter(entry: dict[str, Any], index: int) -> FullParameterConfig | None:
+    """``full_parameter: {owner: <tenant>}`` (the owner is checked against the tenants by :func:`server_config`)."""
+    raw = entry.get("full_parameter")
+    if raw is None:
+        return None
+    where = f"base_models[{index}].full_parameter"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping such as {{owner: alice}} (the one tenant who trains it)")
+    _known(where, raw, FullParameterConfig)
+    lora_only = sorted({"max_lora_rank", "max_adapters"} & set(entry))
+    if lora_only:
+        raise ConfigError(f"base_models[{index}] ({entry['name']}): full_parameter hosts the model for one tenant's "
+                          f"full-parameter training, which has no LoRA adapters; {lora_only} configure LoRA "
+                          f"hosting: remove them, or remove full_parameter to share the base through LoRA adapters")
+    if not isinstance(raw.get("owner"), str):
+        raise ConfigError(f"{where}.owner must name the tenant who trains the model, got {raw.get('owner')!r}")
+    return FullParameterConfig(owner=raw["owner"])
 
 
 def server_config(raw: dict[str, Any], *, base_dir: Path | None = None) -> ServerConfig:
@@ -159,6 +240,15 @@ def server_config(raw: dict[str, Any], *, base_dir: Path | None = None) -> Serve
         raise ConfigError("tenants: list at least one tenant with an API key (no anonymous access)")
     if len({t.name for t in tenants}) != len(tenants) or len({t.api_key_sha256 for t in tenants}) != len(tenants):
         raise ConfigError("tenants: names and API keys must be unique")
+    for index, model in enumerate(base_models):
+        owner = model.full_parameter.owner if model.full_parameter is not None else None
+        if owner is not None and owner not in {t.name for t in tenants}:
+            raise ConfigError(f"base_models[{index}] ({model.name}).full_parameter.owner {owner!r} is not a "
+                              f"configured tenant; configured: {[t.name for t in tenants]}")
+    addresses = {m.ray.address for m in base_models if m.ray is not None}
+    if len(addresses) > 1:
+        raise ConfigError(f"base_models: the ray sections name different clusters {sorted(map(str, addresses))}; the "
+                          f"server joins one Ray cluster: give every ray section the same address")
     limits_raw = raw.get("limits") or {}
     _known("limits", limits_raw, Limits)
     limits = Limits(**limits_raw)

@@ -1,8 +1,11 @@
-"""``ModelHost``: one base model (a ``MultiLoraTransformersModel``) and every model operation the service runs on it.
+"""``ModelHost``: one base model (a multi-tenant model: ``MultiLoraTransformersModel``, ``MultiLoraMegatronModel``)
+and every model operation the service runs on it.
 
 Each training adapter (one per Tinker run) is a LoRA adapter of the shared, frozen base with its own AdamW
-optimizer; each sampler is an exported adapter loaded as an extra, never trained adapter. Adapter and sampler ids
-are the caller's; inside the model they get names of the host's own (``tenant3``, ``sampler7``), so any id works.
+optimizer; each sampler is an exported adapter loaded as an extra, never trained adapter of the model that samples
+(:mod:`twinkle_server.sampler_pool`: the host's model, or the Hugging Face twin of a base that cannot lend its
+network, see :mod:`twinkle_server.base_model`). Adapter and sampler ids are the caller's; inside the models they get
+names of the host's own (``tenant3``, ``sampler7``), so any id works.
 
 Tinker's semantics, as built here:
 
@@ -13,7 +16,8 @@ Tinker's semantics, as built here:
 * ``optim_step`` applies every field of Adam's parameters (decoupled weight decay, ``grad_clip_norm=0``: no
   clipping), then clears the gradients;
 * LoRA: rank ``r``, ``lora_alpha`` = :data:`LORA_ALPHA`, on the attention / MLP linear layers and the LM head as
-  ``train_attn`` / ``train_mlp`` / ``train_unembed`` say; ``B = 0`` at creation, so a new adapter is the base model.
+  ``train_attn`` / ``train_mlp`` / ``train_unembed`` say (the layers the model names by kind:
+  ``lora_target_modules()``); ``B = 0`` at creation, so a new adapter is the base model.
 
 Every request is validated completely before the model is touched: a refused request (:class:`BadRequest`) leaves
 the adapter as it was. All methods are called from one worker thread, never concurrently.
@@ -22,12 +26,12 @@ the adapter as it was. All methods are called from one worker thread, never conc
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import secrets
-import warnings
-from collections import OrderedDict
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +39,12 @@ from typing import Any
 
 import torch
 
-from twinkle_core import checkpoint
-from twinkle_core.errors import ConfigError
+from twinkle_core import checkpoint, distributed
 from twinkle_core.loss.base import Loss, LossOutput
 from twinkle_server import sampling
+from twinkle_server.base_model import build_from_section, hosting_class, sampling_model
 from twinkle_server.errors import BadRequest, NotFound, TooManyRequests
+from twinkle_server.sampler_pool import SamplerPool, remove_adapter
 from twinkle_server.sampling import SampledSequence, SampleParams
 
 __all__ = ["AdamStep", "Datum", "ForwardResult", "ModelHost", "SampleParams", "SampledSequence"]
@@ -52,10 +57,6 @@ INT_INPUTS = frozenset({"target_tokens"})
 STATE_MARKER = "twinkle_server_state.json"
 _WEIGHTS = "adapter"  # the model's own checkpoint inside a state directory
 _PREFIX = "loss_fn_inputs:"  # batch keys of the loss inputs (the network reads only its own keys)
-_ATTENTION = frozenset({"self_attn", "attn", "attention", "self_attention", "cross_attn"})
-_MLP = frozenset({"mlp", "feed_forward", "ffn", "experts", "shared_expert", "shared_experts", "block_sparse_moe"})
-_MODEL_KEYS = frozenset({"class_name", "path", "model_id", "revision", "config", "tokenizer", "trust_remote_code",
-                         "attn_implementation", "gradient_checkpointing", "options", "precision", "seed"})
 
 
 @dataclass
@@ -108,40 +109,16 @@ class TinkerCoreLoss(Loss):
 
 
 def build_model(section: dict[str, Any], *, max_lora_rank: int) -> Any:
-    """A ``MultiLoraTransformersModel`` (one process, strategy ``single``) from a recipe-style model section."""
-    from twinkle_backend_hf.multi_lora import MultiLoraTransformersModel
-
-    from twinkle_core.model.spec import ModelSpec
-    from twinkle_core.sources.resolve import resolve_model, trust_remote_code
-
-    unknown = sorted(set(section) - _MODEL_KEYS)
-    if unknown:
-        raise ConfigError(f"model section: unknown key(s) {unknown}; known: {sorted(_MODEL_KEYS)}")
-    if section.get("class_name", "TransformersModel") not in ("TransformersModel", "MultiLoraTransformersModel"):
-        raise ConfigError(f"model.class_name {section['class_name']!r}: the server hosts Transformers models only "
-                          f"(TransformersModel)")
-    if section.get("path") and section.get("model_id") and section["path"] != section["model_id"]:
-        raise ConfigError("model section: give path or model_id, not both")
-    model_id = section.get("path") or section.get("model_id")
-    if model_id is None and section.get("config") is None:
-        raise ConfigError("model section needs path (a model directory), model_id or config (a transformers config)")
-    trust = trust_remote_code(section.get("trust_remote_code"))
-    tokenizer_uri = section.get("tokenizer") or model_id
-    tokenizer = (MultiLoraTransformersModel.load_tokenizer(resolve_model(tokenizer_uri), trust_remote_code=trust)
-                 if tokenizer_uri else None)
-    options = {**dict(section.get("options") or {}), "max_lora_rank": max_lora_rank, "max_tenants": None}
-    if section.get("revision"):
-        options["revision"] = section["revision"]
-    spec = ModelSpec(model_id=model_id, config=section.get("config"), strategy="single",
-                     precision=section.get("precision", "no"), tokenizer=tokenizer, trust_remote_code=trust,
-                     attn_implementation=section.get("attn_implementation"),
-                     gradient_checkpointing=bool(section.get("gradient_checkpointing", False)),
-                     seed=int(section.get("seed", 0)), options=options)
-    return spec.build(MultiLoraTransformersModel)
+    """The multi-tenant model (:func:`~twinkle_server.base_model.hosting_class`) of a recipe-style model section, in
+    this process (the class's default strategy for one process: ``single``, Megatron's ``megatron``, unless the
+    section names one: a worker group's ranks run a data-parallel one, see ray_host.py)."""
+    return build_from_section(section, hosting_class(section.get("class_name")),
+                              options={"max_lora_rank": max_lora_rank, "max_tenants": None})
 
 
 class ModelHost:
-    """One hosted base model. Besides the service's interface: :attr:`model` (the ``MultiLoraTransformersModel``),
+    """One hosted base model. Besides the service's interface: :attr:`model` (the multi-tenant model that trains),
+    :attr:`samplers` (the :class:`~twinkle_server.sampler_pool.SamplerPool` on the model that samples),
     ``max_positions`` (the context length), ``eos_ids``, ``adapter_ids()``, ``adapter_settings(id)``,
     ``add_lora_adapter`` / ``remove_lora_adapter`` (adapters configured by the caller, for the native API),
     ``model_adapter_name(id)``, ``state_info(directory)`` (what a saved state holds, verified) and
@@ -151,24 +128,19 @@ class ModelHost:
                  max_adapters: int | None = None, max_loaded_samplers: int = 8) -> None:
         self.name, self.state_dir, self.max_lora_rank = name, Path(state_dir), max_lora_rank
         self.max_adapters, self.max_loaded_samplers = max_adapters, max(1, max_loaded_samplers)
-        self.model = build_model(dict(model), max_lora_rank=max_lora_rank)
+        build = functools.partial(build_model, max_lora_rank=max_lora_rank)
+        self.model = build(dict(model))
         self.tokenizer = self.model.tokenizer
-        network = self.model.network
-        config = network.config.get_text_config()
+        self.samplers = SamplerPool(sampling_model(self.model, dict(model), build), name=name,
+                                    max_lora_rank=max_lora_rank, max_loaded=self.max_loaded_samplers)
+        config = self.model.export_config().get_text_config()
         self.vocab_size: int = config.vocab_size
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
-        self.eos_ids = _eos_ids(self.tokenizer, network)
-        self._targets = _lora_targets(network)
+        self.eos_ids = _eos_ids(self.tokenizer, config, getattr(self.samplers.model.network, "generation_config", None))
+        self._targets = self.model.lora_target_modules()
         self._adapters: dict[str, _Adapter] = {}
         self._lora_adapters: set[str] = set()  # add_lora_adapter's, by their names inside the model
-        self._samplers: dict[str, Path | None] = {}  # sampler id -> exported adapter directory (None: the base)
-        self._loaded: OrderedDict[str, str] = OrderedDict()  # sampler id -> model adapter name, least recent first
         self._count = 0
-        # the base model as an adapter (r=1, B=0: exactly the base), always present: PEFT breaks when its last
-        # adapter is deleted, and the base is sampled through it
-        first = next(n for n, m in network.named_modules() if isinstance(m, torch.nn.Linear))
-        self._base = "hostbase"
-        self.model.add_adapter_to_model(self._base, {"r": 1, "lora_alpha": 1, "target_modules": [first]})
 
     # ------------------------------------------------------------------ adapters
     def create_adapter(self, adapter_id: str, *, rank: int, seed: int | None = None, train_mlp: bool = True,
@@ -258,6 +230,13 @@ class ModelHost:
         per_datum = [{k: v[i, :n].tolist() for k, v in per_token.items()} for i, n in enumerate(lengths)]
         return ForwardResult(per_datum=per_datum, metrics={k: float(v) for k, v in result.metrics.items()})
 
+    def check_data(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> None:
+        """Refuse (BadRequest) what ``forward_backward`` would refuse, without touching the model: a worker group's
+        ranks each check the whole request before any of them runs its share."""
+        from twinkle_server.tinker_losses import tinker_loss
+
+        self._batch(data, tinker_loss(loss_fn, loss_fn_config))
+
     def _batch(self, data: list[Datum], loss: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
         """The padded batch (on the model's device) and each datum's length; BadRequest for anything wrong."""
         if not data:
@@ -311,7 +290,9 @@ class ModelHost:
         Gradients accumulated since the last ``optim_step`` are not part of the state."""
         entry = self._adapter(adapter_id)
         meta = {"base_model": self.name, "adapter": entry.settings, "optimizer": bool(optimizer)}
-        with checkpoint.atomic_directory(str(directory), is_main=True, metadata=meta, marker=STATE_MARKER) as tmp:
+        # every rank of a data-parallel model takes part (the model's save is collective); the main one writes
+        with checkpoint.atomic_directory(str(directory), is_main=distributed.is_main_process(), metadata=meta,
+                                         marker=STATE_MARKER) as tmp:
             self.model.save(_WEIGHTS, output_dir=tmp, adapter_name=entry.name, save_optimizer=optimizer)
 
     def state_info(self, directory: Path) -> dict[str, Any]:
@@ -359,19 +340,10 @@ class ModelHost:
         """Make ``sampler_id`` sample from the PEFT adapter exported at ``directory`` (``None``: the base model).
         Loaded now, so a bad directory fails here; at most ``max_loaded_samplers`` stay in memory (the least
         recently used is reloaded from its directory when it is next used)."""
-        self.unload_sampler(sampler_id)
-        self._samplers[sampler_id] = Path(directory) if directory is not None else None
-        try:
-            self._sampler_adapter(sampler_id)
-        except BaseException:
-            del self._samplers[sampler_id]
-            raise
+        self.samplers.load(sampler_id, directory)
 
     def unload_sampler(self, sampler_id: str) -> None:
-        name = self._loaded.pop(sampler_id, None)
-        if name is not None:
-            self._remove(name)
-        self._samplers.pop(sampler_id, None)
+        self.samplers.unload(sampler_id)
 
     def sample(self, sampler_id: str | None, prompt: list[int], num_samples: int,
                params: SampleParams) -> list[SampledSequence]:
@@ -382,8 +354,27 @@ class ModelHost:
             raise BadRequest(f"num_samples must be a positive integer, got {num_samples!r}")
         how = sampling.plan(params, len(prompt), max_positions=self.max_positions, eos_ids=self.eos_ids,
                             tokenizer=self.tokenizer)
-        with self.model.generation_module(adapter_name=self._sampler_adapter(sampler_id)) as gen:
+        with self.samplers.generation(sampler_id) as gen:
             return sampling.generate(gen.module, gen.device, prompt, num_samples, params, how, self.tokenizer)
+
+    def native_sample(self, adapter_name: str, prompts: list[list[int]], n: int, params: Any,
+                      seeds: list[list[int]]) -> list[list[dict[str, Any]]]:
+        """The native API's ``sample`` with the current weights of ``adapter_name`` (its name inside :attr:`model`).
+        A model that cannot lend its network samples on its twin: the adapter is exported and loaded there for the
+        call, as ``save_weights_for_sampler`` does."""
+        from twinkle_server.native_generate import generate
+
+        if self.samplers.model is self.model:
+            return generate(self.model, self.tokenizer, adapter_name, prompts, n, params, seeds)
+        with tempfile.TemporaryDirectory(prefix="native-sample-", dir=self.state_dir) as tmp:
+            exported, sampler_id = Path(tmp) / "adapter", f"native-sample:{adapter_name}"
+            self.model.save(exported.name, output_dir=tmp, adapter_name=adapter_name, save_optimizer=False)
+            self.samplers.load(sampler_id, exported)
+            try:
+                return generate(self.samplers.model, self.tokenizer, self.samplers.adapter(sampler_id), prompts, n,
+                                params, seeds)
+            finally:
+                self.samplers.unload(sampler_id)
 
     def compute_logprobs(self, sampler_id: str | None, tokens: list[int]) -> list[float | None]:
         sampling.check_tokens(tokens, self.vocab_size, "prompt")
@@ -392,34 +383,8 @@ class ModelHost:
         if self.max_positions is not None and len(tokens) > self.max_positions:
             raise BadRequest(f"the prompt has {len(tokens)} tokens, more than the model's context of "
                              f"{self.max_positions}")
-        with self.model.generation_module(adapter_name=self._sampler_adapter(sampler_id)) as gen:
+        with self.samplers.generation(sampler_id) as gen:
             return sampling.score(gen.module, gen.device, tokens)
-
-    def _sampler_adapter(self, sampler_id: str | None) -> str:
-        """The model adapter that samples for ``sampler_id`` (``None``: the base), loaded if it is not."""
-        if sampler_id is None:
-            return self._base
-        if sampler_id not in self._samplers:
-            raise NotFound(f"sampler {sampler_id!r} is not loaded on {self.name}; load its weights first")
-        directory = self._samplers[sampler_id]
-        if directory is None:
-            return self._base
-        if sampler_id in self._loaded:
-            self._loaded.move_to_end(sampler_id)
-            return self._loaded[sampler_id]
-        while len(self._loaded) >= self.max_loaded_samplers:
-            self._remove(self._loaded.popitem(last=False)[1])
-        name = self._new_name("sampler")
-        config = _peft_config(directory, self.max_lora_rank)
-        try:
-            self.model.add_adapter_to_model(name, config)
-            self.model.load(str(directory), adapter_name=name)
-        except (OSError, KeyError, RuntimeError, ValueError) as exc:  # ConfigError is a ValueError
-            if name in self.model.tenants():
-                self._remove(name)
-            raise BadRequest(f"the adapter at {directory} does not fit base model {self.name}: {exc}") from exc
-        self._loaded[sampler_id] = name
-        return name
 
     # ------------------------------------------------------------------ helpers
     def _adapter(self, adapter_id: str) -> _Adapter:
@@ -429,9 +394,7 @@ class ModelHost:
         return entry
 
     def _remove(self, name: str) -> None:
-        with warnings.catch_warnings():  # PEFT warns when the active adapter goes; the next forward picks its own
-            warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
-            self.model.remove_adapter(name)
+        remove_adapter(self.model, name)
 
     def _check_room(self, hint: str) -> None:
         held = len(self._adapters) + len(self._lora_adapters)
@@ -481,50 +444,14 @@ def _check_adam(p: AdamStep) -> None:
                              f"grad_clip_norm >= 0; 0 <= beta < 1; eps > 0; all finite)")
 
 
-def _lora_targets(network: torch.nn.Module) -> dict[str, list[str]]:
-    """The linear layers LoRA may target, by kind (``attn``, ``mlp``, ``unembed``): leaf names where a leaf name
-    belongs to one kind only, full module paths otherwise (PEFT matches both by suffix)."""
-    head = network.get_output_embeddings()
-    found: dict[str, dict[str, list[str]]] = {"attn": {}, "mlp": {}, "unembed": {}}
-    for path, module in network.named_modules():
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        parents = set(path.split(".")[:-1])
-        kind = ("unembed" if module is head else "attn" if parents & _ATTENTION else "mlp" if parents & _MLP
-                else None)
-        if kind is not None:
-            found[kind].setdefault(path.rsplit(".", 1)[-1], []).append(path)
-    owners: dict[str, int] = {}
-    for leaves in found.values():
-        for leaf in leaves:
-            owners[leaf] = owners.get(leaf, 0) + 1
-    return {kind: sorted(t for leaf, paths in leaves.items() for t in ([leaf] if owners[leaf] == 1 else paths))
-            for kind, leaves in found.items()}
-
-
-def _eos_ids(tokenizer: Any, network: Any) -> set[int]:
+def _eos_ids(tokenizer: Any, config: Any, generation_config: Any) -> set[int]:
+    """The tokens that end a sample: the tokenizer's, the model config's and the generation config's EOS ids."""
     ids: set[int] = set()
-    for source in (tokenizer, getattr(network, "generation_config", None)):
+    for source in (tokenizer, config, generation_config):
         value = getattr(source, "eos_token_id", None)
         if value is not None:
             ids.update([value] if isinstance(value, int) else value)
     return ids
-
-
-def _peft_config(directory: Path, max_lora_rank: int) -> Any:
-    import peft
-
-    if not (directory / "adapter_config.json").is_file() or not (directory / "adapter_model.safetensors").is_file():
-        raise NotFound(f"{directory} holds no exported adapter (adapter_config.json + adapter_model.safetensors)")
-    try:
-        config = peft.LoraConfig.from_pretrained(str(directory))
-    except (OSError, ValueError, TypeError) as exc:
-        raise BadRequest(f"{directory}/adapter_config.json is not a LoRA config: {exc}") from exc
-    rank = max([config.r, *(config.rank_pattern or {}).values()])
-    if rank > max_lora_rank:
-        raise BadRequest(f"the adapter at {directory} has LoRA rank {rank}, above max_lora_rank={max_lora_rank}")
-    config.inference_mode = True
-    return config
 
 
 @contextlib.contextmanager

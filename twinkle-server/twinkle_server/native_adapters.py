@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from twinkle_server.errors import BadRequest, NotFound
+from twinkle_server.full_host import adapter_refusal, is_full_parameter
 from twinkle_server.native_args import integer
 from twinkle_server.native_http import answer, authenticate, json_body, service_of, user_errors, wait_seconds
 from twinkle_server.native_table import (
@@ -71,9 +72,9 @@ def restore(service: Any, table: NativeAdapters) -> None:
     creation) and listed in ``table``, in the order they were created."""
     for record in sorted(service.registry.native_adapters.values(), key=lambda r: r.created):
         host = service.hosts.get(record.base_model)
-        if host is None:  # as for a Tinker run: the record stays, should the base model be hosted again
-            log.warning("native adapter %r of tenant %s: base model %s is no longer hosted; its checkpoints stay on "
-                        "disk", record.name, record.tenant, record.base_model)
+        if host is None or is_full_parameter(host):  # as for a Tinker run: the record stays, should it come back
+            log.warning("native adapter %r of tenant %s: base model %s is no longer hosted for LoRA training; its "
+                        "checkpoints stay on disk", record.name, record.tenant, record.base_model)
             continue
         entry = NativeAdapter.from_record(record)
         table.reserve(entry)
@@ -104,8 +105,10 @@ async def create_adapter(request: Request) -> Any:
     if not isinstance(name, str) or not ADAPTER_NAME.match(name):
         raise BadRequest(f"adapter name {name!r} must be 1-64 letters, digits, '_' or '-'")
     if not isinstance(base_model, str):
-        raise BadRequest(f"base_model must name a hosted base model; hosted: {sorted(service.hosts)}")
-    host = service.host(base_model)
+        raise BadRequest(f"base_model must name a hosted base model; hosted: {service.hosted(tenant.name)}")
+    host = service.host(base_model, tenant.name)
+    if is_full_parameter(host):
+        raise BadRequest(adapter_refusal(base_model))
     config = check_lora_config(body.get("config"))
     seed = integer(body.get("seed", 0), "seed")
     wait_s = wait_seconds(body.get("wait_s"))
@@ -141,7 +144,7 @@ async def remove_adapter(adapter: str, request: Request, wait_s: float | None = 
     tenant = authenticate(request)
     service, table = service_of(request), adapters_of(request.app.state)
     entry = table.get(tenant.name, adapter)
-    host = service.host(entry.base_model)
+    host = service.host(entry.base_model, tenant.name)
 
     def work() -> Any:
         if not table.current(entry):

@@ -2,11 +2,14 @@
 assembles the :data:`router` that :mod:`twinkle_server.app` includes; each concern lives in its own module.
 
 Every tenant trains LoRA adapters on a hosted base model (a ``MultiLoraTransformersModel`` held by the base model's
-:class:`~twinkle_server.host.ModelHost`).
+:class:`~twinkle_server.host.ModelHost`); a base model hosted for one tenant's full-parameter training
+(:mod:`twinkle_server.full_host`) has no adapters: its owner calls the model itself at ``/full/...``
+(:mod:`twinkle_server.native_full`), and nobody else sees it.
 
 Routes (all under ``/twinkle/v1``; the API key in ``X-API-Key`` or ``Authorization: Bearer``)::
 
-    GET    /models                                   hosted base models, the method whitelist, loss /
+    GET    /models                                   the base models the tenant may use (``full_parameter``:
+                                                     its own full-parameter one), the method whitelist, loss /
                                                      optimizer / scheduler / metric names
     GET    /adapters                                 the tenant's adapters           (native_adapters)
     POST   /adapters                                 {name, base_model, config, seed}: add_adapter_to_model
@@ -16,6 +19,8 @@ Routes (all under ``/twinkle/v1``; the API key in ``X-API-Key`` or ``Authorizati
     GET    /adapters/{name}/checkpoints              names saved by ``save``         (native_checkpoints)
     GET    /adapters/{name}/checkpoints/{ckpt}       its files (path, size, sha256, weights)
     GET    /adapters/{name}/checkpoints/{ckpt}/files/{path}   one file
+    POST   /full/call, GET /full/checkpoints...      the same on a full-parameter base model (``base_model`` in
+                                                     the body or the query)            (native_full)
 
 Every model call (adapter creation and removal included) goes through ``service.submit``: ordered per tenant,
 fair across tenants, never concurrent with another call on the same base model. The handler waits up to
@@ -34,7 +39,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from twinkle_server import native_adapters, native_calls, native_checkpoints
+from twinkle_server import native_adapters, native_calls, native_checkpoints, native_full
+from twinkle_server.full_host import is_full_parameter
 from twinkle_server.native_adapters import check_lora_config
 from twinkle_server.native_batch import check_batch
 from twinkle_server.native_calls import METHODS
@@ -48,12 +54,14 @@ router = APIRouter(prefix="/twinkle/v1", tags=["native"])
 async def models(request: Request) -> dict[str, Any]:
     from twinkle_core.plugins import get_plugins
 
-    authenticate(request)
+    tenant = authenticate(request)
     service = service_of(request)
     plugins = get_plugins()
     return {
-        "models": [{"name": name, "max_lora_rank": getattr(host, "max_lora_rank", None),
-                    "vocab_size": getattr(host, "vocab_size", None)} for name, host in sorted(service.hosts.items())],
+        "models": [{"name": name, "max_lora_rank": getattr(service.hosts[name], "max_lora_rank", None),
+                    "vocab_size": getattr(service.hosts[name], "vocab_size", None),
+                    "full_parameter": is_full_parameter(service.hosts[name])}
+                   for name in service.hosted(tenant.name)],
         "methods": sorted(METHODS),
         "losses": plugins.names("loss"), "optimizers": plugins.names("optimizer"),
         "schedulers": plugins.names("scheduler"), "metrics": plugins.names("metric"),
@@ -69,5 +77,6 @@ async def future(request_id: str, request: Request, wait_s: float | None = None)
 router.include_router(native_adapters.router)
 router.include_router(native_calls.router)
 router.include_router(native_checkpoints.router)
+router.include_router(native_full.router)
 
 __all__ = ["METHODS", "NativeAdapter", "NativeAdapters", "check_batch", "check_lora_config", "router"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,24 +24,56 @@ REQUIRED = object()
 
 @dataclass
 class Call:
-    """One native call, as the lane's worker runs it."""
+    """One native call, as the lane's worker runs it. ``entry``: the tenant's adapter, or on a full-parameter base
+    the model itself (:class:`twinkle_server.native_full.FullModel`, ``adapter_id`` ``None``); ``checkpoints``: the
+    directory holding its checkpoints by name."""
 
     service: Any
     host: Any
     entry: NativeAdapter
     table: NativeAdapters
     args: dict[str, Any]
+    checkpoints: Path
 
     @property
     def model(self) -> Any:
         return self.host.model
 
     @property
-    def aid(self) -> str:
+    def aid(self) -> str | None:
+        """The ``adapter_name`` of the model's calls (``None``: the whole model)."""
         return self.entry.adapter_id
 
     def guard(self, what: str, fn: Callable[[], Any]) -> Any:
         return user_errors(what, fn, self.entry.rename)
+
+
+@dataclass
+class CallRequest:
+    """A ``.../call`` body, checked: the method's preparer, its (still encoded) ``args`` and ``wait_s``."""
+
+    method: str
+    prepare: Callable[[Any], Any]
+    args: dict[str, Any]
+    wait_s: Any
+
+
+def call_request(body: dict[str, Any], methods: dict[str, Callable[[Any], Any]],
+                 fields: tuple[str, ...] = ()) -> CallRequest:
+    """The checked body of a native call: ``method`` (one of ``methods``), ``args`` (a JSON object), ``wait_s`` and
+    the route's own ``fields``; BadRequest naming an unknown field or method."""
+    known = (*fields, "method", "args", "wait_s")
+    unknown = sorted(set(body) - set(known))
+    if unknown:
+        raise BadRequest(f"unknown field(s) {unknown}; known: {', '.join(known)}")
+    method = body.get("method")
+    prepare = methods.get(method) if isinstance(method, str) else None
+    if prepare is None:
+        raise BadRequest(f"unknown method {method!r}; the native API's methods: {', '.join(sorted(methods))}")
+    args = body.get("args") or {}
+    if not isinstance(args, dict):
+        raise BadRequest(f"{method}: args must be a JSON object of keyword arguments")
+    return CallRequest(method=method, prepare=prepare, args=args, wait_s=body.get("wait_s"))
 
 
 def take(args: dict[str, Any], method: str, **defaults: Any) -> dict[str, Any]:

@@ -12,14 +12,30 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from twinkle_server import tensor_wire
-from twinkle_server.errors import BadRequest, NotFound
-from twinkle_server.native_args import REQUIRED, Call, integer, number, plain_options, registered, take
+from twinkle_server.errors import NotFound
+from twinkle_server.metrics_log import native_key
+from twinkle_server.native_args import (
+    REQUIRED,
+    Call,
+    call_request,
+    integer,
+    number,
+    plain_options,
+    registered,
+    take,
+)
 from twinkle_server.native_batch import checked_batch, encode_outputs, wanted_outputs
-from twinkle_server.native_checkpoints import prepare_load, prepare_resume_from_checkpoint, prepare_save
+from twinkle_server.native_checkpoints import (
+    checkpoint_root,
+    prepare_load,
+    prepare_resume_from_checkpoint,
+    prepare_save,
+)
 from twinkle_server.native_http import answer, authenticate, json_body, service_of, wait_seconds
 from twinkle_server.native_sampling import prepare_sample
 from twinkle_server.native_table import adapters_of
@@ -67,6 +83,8 @@ def _forward_backward(call: Call) -> Any:
     def run() -> Any:
         result = call.guard("forward_backward", lambda: call.model.forward_backward(inputs=batch,
                                                                                       adapter_name=call.aid))
+        record(call, "forward_backward", {"loss": scalar(result.get("loss")),
+                                          "tokens": scalar(result.get("num_tokens"))})
         # a loss that applied the LM head itself has no logits: only what exists is returned
         return encode_outputs(result, batch, wanted, temperature)
     return run
@@ -92,8 +110,26 @@ def _clip_grad_and_step(call: Call) -> Any:
     a = take(call.args, "clip_grad_and_step", max_grad_norm=1.0, norm_type=2.0)
     limit = number(a["max_grad_norm"], "max_grad_norm", optional=True)
     norm_type = number(a["norm_type"], "norm_type")
-    return lambda: call.guard("clip_grad_and_step", lambda: call.model.clip_grad_and_step(
-        limit, norm_type, adapter_name=call.aid))
+
+    def run() -> Any:
+        learning_rate = _learning_rate(call)
+        norm = call.guard("clip_grad_and_step", lambda: call.model.clip_grad_and_step(
+            limit, norm_type, adapter_name=call.aid))
+        if norm is not None:  # None: a call inside a gradient-accumulation window, which steps nothing
+            _record_step(call, learning_rate, norm)
+        return norm
+    return run
+
+
+def _step(call: Call) -> Any:
+    take(call.args, "step")
+
+    def run() -> None:
+        learning_rate = _learning_rate(call)
+        call.guard("step", lambda: call.model.step(adapter_name=call.aid))
+        state = _train_state(call)
+        _record_step(call, learning_rate, None if state is None else state.last_grad_norm)
+    return run
 
 
 def _clip_grad_norm(call: Call) -> Any:
@@ -115,6 +151,38 @@ def _calculate_metric(call: Call) -> Any:
     a = take(call.args, "calculate_metric", reset=True)
     return lambda: tensor_wire.jsonable(call.guard("calculate_metric", lambda: call.model.calculate_metric(
         adapter_name=call.aid, reset=bool(a["reset"]))))
+
+
+# --- what the console shows (service.metrics, as the Tinker routes record theirs): cheap reads, no model work
+def scalar(value: Any) -> float | None:
+    """A one-element tensor or a number as a float (``None`` for anything else)."""
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().item()) if value.numel() == 1 else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def record(call: Call, kind: str, values: dict[str, Any]) -> None:
+    """Keep ``values`` for the console under the target's key (:func:`~twinkle_server.metrics_log.native_key`)."""
+    call.service.metrics.record(call.entry.tenant, native_key(call.entry), kind, values)
+
+
+def _train_state(call: Call) -> Any:
+    """The target's training state when its model is in this process (a Ray host's ranks keep theirs: ``None``)."""
+    state_of = getattr(call.model, "train_state", None)
+    return None if state_of is None else state_of(call.aid)
+
+
+def _learning_rate(call: Call) -> float | None:
+    """The learning rate the next optimizer step applies (read before the step: the scheduler advances it)."""
+    state = _train_state(call)
+    groups = getattr(state.optimizer, "param_groups", None) if state is not None else None
+    return scalar(groups[0].get("lr")) if groups else None
+
+
+def _record_step(call: Call, learning_rate: float | None, grad_norm: Any) -> None:
+    state = _train_state(call)
+    record(call, "optim_step", {"step": None if state is None else state.step, "learning_rate": learning_rate,
+                                "grad_norm": scalar(grad_norm)})
 
 
 # --- state
@@ -153,7 +221,7 @@ METHODS: dict[str, Callable[[Call], Callable[[], Any]]] = {
     "forward_only": _forward_only,
     "clip_grad_and_step": _clip_grad_and_step,
     "clip_grad_norm": _clip_grad_norm,
-    "step": _plain("step"),
+    "step": _step,
     "zero_grad": _plain("zero_grad"),
     "lr_step": _plain("lr_step"),
     "calculate_metric": _calculate_metric,
@@ -171,23 +239,15 @@ async def call(adapter: str, request: Request) -> Any:
     tenant = authenticate(request)
     service, table = service_of(request), adapters_of(request.app.state)
     entry = table.get(tenant.name, adapter)
-    body = await json_body(request)
-    unknown = sorted(set(body) - {"method", "args", "wait_s"})
-    if unknown:
-        raise BadRequest(f"unknown field(s) {unknown}; known: method, args, wait_s")
-    method = body.get("method")
-    prepare = METHODS.get(method) if isinstance(method, str) else None
-    if prepare is None:
-        raise BadRequest(f"unknown method {method!r}; the native API's methods: {', '.join(sorted(METHODS))}")
-    wait_s = wait_seconds(body.get("wait_s"))
-    args = body.get("args") or {}
-    if not isinstance(args, dict):
-        raise BadRequest(f"{method}: args must be a JSON object of keyword arguments")
-    host = service.host(entry.base_model)
+    checked = call_request(await json_body(request), METHODS)
+    method, prepare, args, wait_s = checked.method, checked.prepare, checked.args, wait_seconds(checked.wait_s)
+    host = service.host(entry.base_model, tenant.name)
+    checkpoints = checkpoint_root(service, tenant.name, entry.name)
 
     def decode_and_check() -> Callable[[], Any]:
         decoded = tensor_wire.decode(args, where=f"{method}.args")
-        return prepare(Call(service=service, host=host, entry=entry, table=table, args=decoded))
+        return prepare(Call(service=service, host=host, entry=entry, table=table, args=decoded,
+                            checkpoints=checkpoints))
 
     run = await run_in_threadpool(decode_and_check)  # decoding and checking a large batch is not the event loop's
 

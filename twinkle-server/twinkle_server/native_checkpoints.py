@@ -60,7 +60,7 @@ def prepare_save(call: Call) -> Any:
     a = take(call.args, "save", name=REQUIRED, save_optimizer=True, extra_state=None)
     name = checkpoint_name(a["name"], "save")
     extra = plain_options(a["extra_state"], "save")
-    root = checkpoint_root(call.service, call.entry.tenant, call.entry.name)
+    root = call.checkpoints
 
     def run() -> Any:
         path = call.guard("save", lambda: call.model.save(name, output_dir=str(root), adapter_name=call.aid,
@@ -73,10 +73,10 @@ def prepare_save(call: Call) -> Any:
 def _saved(call: Call, method: str) -> Path:
     a = take(call.args, method, name=REQUIRED)
     name = checkpoint_name(a["name"], method)
-    path = checkpoint_root(call.service, call.entry.tenant, call.entry.name) / name
+    path = call.checkpoints / name
     if not (path / MARKER).is_file():
-        raise NotFound(f"{method}: adapter {call.entry.name!r} has no checkpoint {name!r} on the server (save() "
-                       f"names them)")
+        raise NotFound(f"{method}: {call.entry.name!r} has no checkpoint {name!r} on the server (save() names "
+                       f"them)")
     return path
 
 
@@ -107,9 +107,7 @@ async def list_checkpoints(adapter: str, request: Request) -> dict[str, Any]:
     tenant = authenticate(request)
     if not ADAPTER_NAME.match(adapter):
         raise NotFound(f"adapter {adapter!r} not found")
-    root = checkpoint_root(service_of(request), tenant.name, adapter)
-    names = sorted(p.name for p in root.iterdir() if (p / MARKER).is_file()) if root.is_dir() else []
-    return {"checkpoints": names}
+    return {"checkpoints": saved_names(checkpoint_root(service_of(request), tenant.name, adapter))}
 
 
 @router.get("/adapters/{adapter}/checkpoints/{name}")
@@ -123,10 +121,20 @@ async def checkpoint(adapter: str, name: str, request: Request) -> dict[str, Any
 async def checkpoint_file(adapter: str, name: str, path: str, request: Request) -> Any:
     tenant = authenticate(request)
     directory = _checkpoint_dir(request, tenant, adapter, name)
+    return await file_response(directory, path, f"checkpoint {name!r} of adapter {adapter!r}")
+
+
+def saved_names(root: Path) -> list[str]:
+    """The names of the complete checkpoints under ``root``."""
+    return sorted(p.name for p in root.iterdir() if (p / MARKER).is_file()) if root.is_dir() else []
+
+
+async def file_response(directory: Path, path: str, what: str) -> FileResponse:
+    """The file ``path`` of the checkpoint at ``directory``, if its manifest lists it (404 naming ``what`` else)."""
     listed = {f["path"] for f in await run_in_threadpool(checkpoint_files, directory)}
     if path not in listed:  # only files the checkpoint's manifest names: no way out of the directory
-        raise NotFound(f"checkpoint {name!r} of adapter {adapter!r} has no file {path!r}")
+        raise NotFound(f"{what} has no file {path!r}")
     target = directory / path
     if not os.path.realpath(target).startswith(os.path.realpath(directory) + os.sep):
-        raise NotFound(f"checkpoint {name!r} of adapter {adapter!r} has no file {path!r}")
+        raise NotFound(f"{what} has no file {path!r}")
     return FileResponse(target, media_type="application/octet-stream")

@@ -1,5 +1,6 @@
 """The native API's ``sample`` call: completions drawn with the adapter's current weights by the core's
-``hf_generate`` sampler on the server, seeded per completion so they do not depend on batching."""
+``hf_generate`` sampler on the server (the host's ``native_sample``: :mod:`twinkle_server.native_generate`), seeded
+per completion so they do not depend on batching."""
 
 from __future__ import annotations
 
@@ -53,12 +54,5 @@ def prepare_sample(call: Call) -> Any:
                          f"completion)")
 
     def run() -> Any:
-        from twinkle_core.plugins import get_plugins
-
-        sampler_class = call.guard("sample", lambda: get_plugins().load("sampler", "hf_generate"))
-        sampler = sampler_class()
-        sampler.bind(call.model, getattr(call.host, "tokenizer", None), adapter_name=call.aid)
-        groups = call.guard("sample", lambda: sampler.sample(prompts, n=n, params=params, seeds=seeds))
-        return [[{"token_ids": list(c.token_ids), "logprobs": [float(x) for x in c.logprobs],
-                  "finish_reason": c.finish_reason, "text": c.text} for c in group] for group in groups]
+        return call.guard("sample", lambda: call.host.native_sample(call.aid, prompts, n, params, seeds))
     return run

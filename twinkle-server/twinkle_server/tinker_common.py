@@ -14,6 +14,7 @@ from tinker import types as ttypes
 
 from twinkle_server import tinker_wire as wire
 from twinkle_server.errors import BadRequest, NotFound
+from twinkle_server.full_host import is_full_parameter, tinker_refusal
 from twinkle_server.registry import CHECKPOINT_KINDS
 
 T = TypeVar("T")
@@ -79,6 +80,16 @@ def unsupported(feature: str, hint: str = "") -> BadRequest:
     """The 400 that names a feature this server does not offer (never a silent substitute)."""
     return BadRequest(f"{feature} is not supported by this server (Twinkle's Tinker-compatible API)"
                       + (f"; {hint}" if hint else ""))
+
+
+def lora_host(service: Any, tenant: str, base_model: str) -> Any:
+    """The host of ``base_model`` for Tinker's LoRA training and sampling: 404 for a model the tenant named
+    ``tenant`` cannot see, a refusal naming the mode for its owner's full-parameter base (the Tinker API has no
+    full-parameter training)."""
+    host = service.host(base_model, tenant)
+    if is_full_parameter(host):
+        raise unsupported(*tinker_refusal(base_model))
+    return host
 
 
 def require_adam(optimizer_config: Any) -> None:

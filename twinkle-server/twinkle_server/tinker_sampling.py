@@ -18,6 +18,7 @@ from twinkle_server.tinker_common import (
     find_checkpoint,
     future_response,
     json_response,
+    lora_host,
     service_of,
     tenant_of,
     unsupported,
@@ -47,7 +48,7 @@ def new_sampling_session(service: Any, tenant_name: str, *, model_path: str | No
                                directory=record.directory)
     if base_model is None:
         raise BadRequest("give model_path (a sampler checkpoint) or base_model")
-    service.host(base_model)
+    lora_host(service, tenant_name, base_model)
     return SamplingSession(sampling_session_id=sampling_session_id, tenant=tenant_name, base_model=base_model,
                            session_id=session_id)
 

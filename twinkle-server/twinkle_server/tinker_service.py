@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from tinker import types as ttypes
 
 from twinkle_server import tinker_wire as wire
+from twinkle_server.full_host import is_full_parameter
 from twinkle_server.tinker_common import json_response, service_of, string_metadata, tenant_of
 from twinkle_server.tinker_sampling_sessions import sampling_sessions_of
 
@@ -51,11 +52,14 @@ async def client_dynamic_config(request: Request) -> JSONResponse:
 
 @router.get("/api/v1/get_server_capabilities")
 async def get_server_capabilities(request: Request) -> JSONResponse:
-    tenant_of(request)
+    tenant = tenant_of(request)
+    service = service_of(request)
     models = []
-    for name, host in sorted(service_of(request).hosts.items()):
+    for name in service.hosted(tenant.name):  # another tenant's full-parameter base is not disclosed
+        host = service.hosts[name]
+        lora = not is_full_parameter(host)  # its owner sees it, but the Tinker API neither trains nor samples it
         models.append({"model_name": name, "max_context_length": getattr(host, "max_positions", None),
-                       "trainable": True, "sampleable": True})
+                       "trainable": lora, "sampleable": lora})
     return json_response({"supported_models": models}, ttypes.GetServerCapabilitiesResponse)
 
 

@@ -17,6 +17,7 @@ from twinkle_server.tinker_common import (
     check_session,
     future_response,
     json_response,
+    lora_host,
     require_adam,
     service_of,
     tenant_of,
@@ -40,7 +41,7 @@ async def create_model(request: Request) -> JSONResponse:
                           "use ServiceClient.create_lora_training_client")
     require_adam(req.optimizer_config)
     lora = req.lora_config
-    host = service.host(req.base_model)
+    host = lora_host(service, tenant.name, req.base_model)
     if not 1 <= lora.rank <= host.max_lora_rank:
         raise BadRequest(f"LoRA rank {lora.rank} is outside 1..{host.max_lora_rank} (max_lora_rank of "
                          f"{req.base_model} on this server)")
@@ -89,7 +90,7 @@ async def get_info(request: Request) -> JSONResponse:
 def model_type(host: Any) -> str | None:
     """The hosted network's architecture (its config's ``model_type``), if the host has one."""
     try:
-        return str(host.model.network.config.model_type)
+        return str(host.model.export_config().model_type)
     except AttributeError:
         return None
 

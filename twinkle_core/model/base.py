@@ -226,6 +226,16 @@ class TwinkleModel(ABC):
         the policy builds it from this config."""
         return None
 
+    def lora_target_modules(self) -> dict[str, list[str]]:
+        """The PEFT ``target_modules`` names of the layers this model's LoRA adapters can adapt, by kind (the keys
+        are :data:`twinkle_core.lora.TARGET_KINDS`): ``"attn"`` the attention projections, ``"mlp"`` the
+        feed-forward projections, ``"unembed"`` the LM head; ``[]`` for a kind this model cannot adapt. The kinds'
+        names select disjoint layers, so an adapter whose ``target_modules`` joins some kinds' lists adapts exactly
+        those kinds (what a service's ``train_attn`` / ``train_mlp`` / ``train_unembed`` switches choose). A model
+        that cannot tell raises ``ConfigError`` (the default): give ``target_modules`` yourself."""
+        raise ConfigError(f"{type(self).__name__} does not say which layers its LoRA adapters can target "
+                          f"(TwinkleModel.lora_target_modules); give the adapter's target_modules yourself")
+
     @abstractmethod
     def get_state_dict(self, *, adapter_name: str | None = None) -> dict[str, Any]:
         """The full (unsharded) weights of the model or of one adapter."""

@@ -5,8 +5,9 @@ Run it against a registered target::
     pytest --pyargs twinkle_core.testing.conformance --twinkle-backend hf
     torchrun --nproc-per-node 2 -m pytest --pyargs twinkle_core.testing.conformance --twinkle-backend hf-ddp
 
-or subclass :class:`ModelContract` and :class:`~twinkle_core.testing.conformance_tasks.TaskContract` (the task
-side: one test per model kind) in a backend's tests and override the ``twinkle_factory`` fixture.
+or subclass :class:`ModelContract`, :class:`~twinkle_core.testing.conformance_tasks.TaskContract` (the task
+side: one test per model kind) and :class:`~twinkle_core.testing.conformance_lora_targets.LoraTargetContract` in a
+backend's tests and override the ``twinkle_factory`` fixture.
 
 A factory is ``factory(*, seed: int = 0, **options) -> TwinkleModel`` (``task=`` among the options) building a
 tiny causal LM
@@ -40,10 +41,12 @@ from twinkle_core.testing.conformance_data import (
     snapshot,
 )
 from twinkle_core.testing.conformance_generation import GenerationContract
+from twinkle_core.testing.conformance_lora_targets import LoraTargetContract
 from twinkle_core.testing.conformance_tasks import TaskContract
 
-__all__ = ["CONFORMANCE_MAX_DEPTH", "CONFORMANCE_MAX_WIDTH", "CONFORMANCE_VOCAB_SIZE", "LORA_CONFIG", "ModelContract",
-           "TaskContract", "TestModelContract", "TestTaskContract", "assert_state_equal", "local_rows", "make_batch",
+__all__ = ["CONFORMANCE_MAX_DEPTH", "CONFORMANCE_MAX_WIDTH", "CONFORMANCE_VOCAB_SIZE", "LORA_CONFIG",
+           "LoraTargetContract", "ModelContract", "TaskContract", "TestLoraTargetContract", "TestModelContract",
+           "TestTaskContract", "assert_state_equal", "local_rows", "make_batch",
            "rows", "snapshot"]
 
 class ModelContract(GenerationContract):
@@ -528,4 +531,8 @@ class TestModelContract(ModelContract):
 
 
 class TestTaskContract(TaskContract):
+    """Collected when the suite runs with ``--pyargs twinkle_core.testing.conformance``."""
+
+
+class TestLoraTargetContract(LoraTargetContract):
     """Collected when the suite runs with ``--pyargs twinkle_core.testing.conformance``."""

@@ -128,6 +128,10 @@ class ReferenceModel(TorchTwinkleModel):
         return module
 
     # -------------------------------------------------------------- adapters
+    def lora_target_modules(self) -> dict[str, list[str]]:
+        return {"attn": ["q_proj", "k_proj", "v_proj", "o_proj"], "mlp": ["up_proj", "down_proj"],
+                "unembed": ["lm_head"]}
+
     def _lora_layers(self) -> Iterator[tuple[str, LoRALinear]]:
         for name, mod in self.module.named_modules():
             if isinstance(mod, LoRALinear):

@@ -3,8 +3,9 @@
     torchrun --nproc-per-node 2 train_losses.py --out results.json --runs '[{"model": DIR, "mesh": {"tp": 2}}, ...]'
 
 Each run: ``model`` (an HF directory), ``mesh``, optional ``lora`` (start a LoRA adapter from this PEFT
-directory and train it instead of the model), ``save`` (save() the trained model / adapter there),
-``pp_errors`` (record the errors of forward / backward / calculate_loss with pipeline parallelism).
+directory and train it instead of the model; ``lora_targets``: its target_modules, default all-linear),
+``save`` (save() the trained model / adapter there), ``pp_errors`` (record the errors of forward / backward /
+calculate_loss with pipeline parallelism).
 Several runs share one job (and its start-up time); the parallel layout may change between them.
 """
 
@@ -29,7 +30,8 @@ def one_run(spec: dict) -> dict:
     adapter = None
     if spec.get("lora"):
         adapter = "t"
-        model.add_adapter_to_model(adapter, copy.deepcopy(LORA_CONFIG))
+        model.add_adapter_to_model(adapter, {**copy.deepcopy(LORA_CONFIG),
+                                             "target_modules": spec.get("lora_targets") or LORA_CONFIG["target_modules"]})
         model.load(spec["lora"], adapter_name=adapter)
     result = loop.run(model, adapter_name=adapter)
     if spec.get("pp_errors"):
