@@ -57,16 +57,20 @@ def prompt_tokens(tokenizer: Any, question: str) -> list[int]:
     return template_ids(tokenizer, [{"role": "user", "content": question}], add_generation_prompt=True)
 
 
-def exact_match(sampling_client: Any, tokenizer: Any, chats: list[list[dict[str, str]]],
-                max_tokens: int = 16) -> float:
-    """Greedy answers to each chat's first question, compared with its first answer."""
+def greedy_answers(sampling_client: Any, tokenizer: Any, chats: list[list[dict[str, str]]],
+                   max_tokens: int = 16) -> list[str]:
+    """Greedy answers to each chat's first question."""
     import tinker
 
     params = tinker.types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["<|im_end|>"])
     futures = [sampling_client.sample(tinker.types.ModelInput.from_ints(prompt_tokens(tokenizer, chat[0]["content"])),
                                       num_samples=1, sampling_params=params) for chat in chats]
-    hits = 0
-    for chat, future in zip(chats, futures):
-        answer = tokenizer.decode(future.result().sequences[0].tokens, skip_special_tokens=True)
-        hits += answer.replace("<|im_end|>", "").strip() == chat[1]["content"]
-    return hits / len(chats)
+    return [tokenizer.decode(future.result().sequences[0].tokens, skip_special_tokens=True)
+            .replace("<|im_end|>", "").strip() for future in futures]
+
+
+def exact_match(sampling_client: Any, tokenizer: Any, chats: list[list[dict[str, str]]],
+                max_tokens: int = 16) -> float:
+    """The share of greedy answers to each chat's first question equal to its first answer."""
+    answers = greedy_answers(sampling_client, tokenizer, chats, max_tokens)
+    return sum(answer == chat[1]["content"] for answer, chat in zip(answers, chats)) / len(chats)
