@@ -180,5 +180,5 @@ def test_data_parallel_strategies_are_refused_with_a_reason(monkeypatch):
     class FakeDDP(SingleProcessStrategy):
         name = "ddp"
 
-    with pytest.raises(ConfigError, match="strategy 'single'"):
+    with pytest.raises(ConfigError, match=r"got strategy 'ddp'.*several processes use 'grad_allreduce'"):
         MultiLoraTransformersModel(config=tiny_qwen2_config(), strategy=FakeDDP())
