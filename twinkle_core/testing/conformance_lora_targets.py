@@ -17,20 +17,23 @@ class LoraTargetContract:
         from twinkle_core.lora import TARGET_KINDS
         from twinkle_core.testing.tolerance import max_abs_diff
 
+        base_model = twinkle_factory(seed=0)
         try:
-            targets = twinkle_factory(seed=0).lora_target_modules()
+            targets = base_model.lora_target_modules()
         except ConfigError as exc:  # allowed (the default): the caller then names target_modules itself
             assert "target_modules" in str(exc), f"the refusal must say what to do instead: {exc}"
             return
         assert sorted(targets) == sorted(TARGET_KINDS), f"one list per kind {TARGET_KINDS}, got {sorted(targets)}"
         assert targets["attn"] and targets["mlp"], "the conformance model has attention and MLP layers to adapt"
+        batch = local_rows(base_model, make_batch(18))
+        base = base_model.forward_only(inputs=batch)["logits"].float()
         layers: dict[str, set[str]] = {}
         for kind, names in targets.items():
             if not names:
                 continue
-            model = twinkle_factory(seed=0)  # one adapter per model: each kind's layers alone
-            batch = local_rows(model, make_batch(18))
-            base = model.forward_only(inputs=batch)["logits"].float()
+            # one adapter per model (each kind's layers alone), added before its first forward: a data-parallel
+            # strategy wraps the model then, and refuses adapters after it; the same seed gives the same base
+            model = twinkle_factory(seed=0)
             model.add_adapter_to_model(kind, {**LORA_CONFIG, "target_modules": list(names), "init_lora_weights": False})
             adapted = model.forward_only(inputs=batch, adapter_name=kind)["logits"].float()
             assert max_abs_diff(adapted, base) > 100 * forward_tolerance_of(base), f"the {kind} adapter changes nothing"
