@@ -261,7 +261,8 @@ def test_launch_goes_through_torchrun_after_validation(tmp_path, monkeypatch, fa
 
     launched = []
     monkeypatch.setattr(torchrun, "main", lambda argv: launched.append(argv))
-    recipe = str(write_recipe(tmp_path, extra="strategy: single\n"))  # the 2-rank default is not in this registry
+    # the 2-rank default is not in this registry ('single' refuses 2 ranks): the fake plugin's any-size strategy
+    recipe = str(write_recipe(tmp_path, extra="strategy: loop_ranks\n"))
     assert cli.main(["train", recipe, "--nproc-per-node", "2", "train.max_steps=2", "--resume", "latest",
                      "data.batch_size=1"]) == 0
     assert launched == [["--nproc-per-node=2", "--nnodes=1", "--standalone", "-m", "twinkle_core.cli", "train",
@@ -313,7 +314,7 @@ def test_train_in_process_end_to_end(tmp_path, tokenizer_files):
 @pytest.mark.distributed
 def test_train_with_two_processes_through_torchrun(tmp_path, tokenizer_files):
     # the fake model builds no strategy; the default for 2 ranks (accelerate) is not installed in this plugin set
-    recipe = write_recipe(tmp_path, extra="strategy: single\n", n=8)
+    recipe = write_recipe(tmp_path, extra="strategy: loop_ranks\n", n=8)
     with_tokenizer(tmp_path, tokenizer_files)
     result = twinkle("train", str(recipe), "--nproc-per-node", "2", pythonpath=[str(TESTS)], env=FAKE_ENV,
                      timeout=300)

@@ -289,6 +289,18 @@ def test_eval_runs_a_local_lm_eval_task(runs, tmp_path):
     assert "twinkle_tiny/acc,none" in result.stdout
 
 
+def test_eval_tasks_offline_without_the_data_set_says_how_to_provide_it(runs, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("lm_eval")
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "empty_cache"))  # nothing cached: the offline case
+    assert main(["eval", str(runs["full"]), "--tasks", "arc_easy", "--limit", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "twinkle: error: --tasks arc_easy: lm-eval could not load the task's data set (" in err
+    assert "Hugging Face datasets cache" in err and "--include-path DIR" in err
+
+
 # ---------------------------------------------------------------------- plot
 def test_plot_writes_a_png(runs, tmp_path):
     pytest.importorskip("matplotlib")

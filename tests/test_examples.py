@@ -62,24 +62,37 @@ def _generate_one_token(model, tokenizer) -> None:
 
 
 def test_lora_sft(tmp_path):
+    """The README's road: train, move the run folder, chat with the adapter, export it merged; the merged model
+    loads in plain transformers with the logits of the saved base plus the adapter (plain peft)."""
     import peft
     import torch
     import transformers
-    import yaml
 
     recipe = EXAMPLES / "lora_sft" / "recipe.yaml"
-    logs = train(recipe, tmp_path, "train.evaluate_options.limit=4")
+    logs = train(recipe, tmp_path / "run", "train.evaluate_options.limit=4")
     evals = [r for r in logs if r.get("event") == "eval"]
     assert evals and math.isfinite(evals[-1]["eval_loss"]) and "eval_exact_match" in evals[-1], evals
-    final = tmp_path / "final"
+    # the base is built from the recipe's config, so the run saves it (OUTPUT_DIR/base) and the adapter names
+    # it relative to itself: the run folder may move
+    config = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == os.path.join("..", "base"), config
+    run = tmp_path / "moved" / "lora_sft"
+    run.parent.mkdir()
+    (tmp_path / "run").rename(run)
+    final = run / "final"
     assert (final / "adapter_model.safetensors").is_file() and not (final / "model.safetensors").exists()
-    # the base is built from the recipe's config; the adapter is a plain PEFT directory that loads onto it
-    config = yaml.safe_load(recipe.read_text())["model"]["config"]
-    base = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config),
-                                                         dtype=torch.float32)
+    answer = _run("-m", "twinkle_core.cli", "chat", str(final), "--prompt", "reverse: galaxy", "--max-new-tokens", "4")
+    assert answer.stdout.strip(), answer.stderr
+    _run("-m", "twinkle_core.cli", "export", str(final), "--merge-lora", "--output", str(tmp_path / "merged"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(run / "base"), dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(base, str(final)).eval()
     assert model.peft_config["default"].r == 16
-    _generate_one_token(model, transformers.AutoTokenizer.from_pretrained(str(final)))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(final))
+    _generate_one_token(model, tokenizer)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    ids = tokenizer("reverse: star", return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**ids).logits, model(**ids).logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["packed", "streaming"])
@@ -126,7 +139,7 @@ def test_multi_tenant(tmp_path):
     for name in held_out:  # plain PEFT directories that name the saved base: no Twinkle needed to use them
         adapter = tmp_path / name
         base_path = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
-        assert base_path == str(tmp_path / "base")
-        base = transformers.AutoModelForCausalLM.from_pretrained(base_path)
+        assert base_path == os.path.join("..", "base")  # inside the run folder: relative to the adapter directory
+        base = transformers.AutoModelForCausalLM.from_pretrained(str(adapter / base_path))
         model = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
         _generate_one_token(model, transformers.AutoTokenizer.from_pretrained(str(adapter)))

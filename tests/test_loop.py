@@ -19,10 +19,11 @@ from typing import Any
 
 import pytest
 
-from twinkle_core import ModelRecord, TaskRecord, hookimpl
+from twinkle_core import ModelRecord, StrategyRecord, TaskRecord, hookimpl
 from twinkle_core.errors import ConfigError, PluginNotFoundError
 from twinkle_core.model.base import TwinkleModel
 from twinkle_core.plugins import reset_plugins
+from twinkle_core.strategy import SingleProcessStrategy
 from twinkle_core.task import Task
 from twinkle_core.testing.conformance import ModelContract
 
@@ -39,6 +40,22 @@ def twinkle_register_models():
 @hookimpl
 def twinkle_register_tasks():
     yield TaskRecord("loop_fake_task", f"{FAKES}:FakeTask", "numbers, one per token (test fixture)")
+
+
+@hookimpl
+def twinkle_register_strategies():
+    yield StrategyRecord("loop_ranks", f"{FAKES}:RanksStrategy", "any number of ranks (test fixture)")
+
+
+class RanksStrategy(SingleProcessStrategy):
+    """Named by recipes of the fake model that run on several processes (the fake model builds no strategy); the
+    core's 'single' refuses a job of more than one process."""
+
+    name = "loop_ranks"
+
+    @classmethod
+    def check_world_size(cls, world_size: int) -> None:
+        pass
 
 
 # ---------------------------------------------------------------------- fakes

@@ -292,9 +292,13 @@ def test_local_paths_that_do_not_exist_are_named(tmp_path):
     from twinkle_core.train.recipe import check_paths
 
     (tmp_path / "train.jsonl").write_text("{}\n")
-    base = {"task": "causal_lm", "model": {"class_name": "TransformersModel", "model_id": "Qwen/Qwen2.5-0.5B"},
+    base = {"task": "causal_lm", "model": {"class_name": "TransformersModel", "model_id": "hf://Qwen/Qwen2.5-0.5B"},
             "data": {"train": str(tmp_path / "train.jsonl")}}
-    check_paths(recipe_from_dict(base))  # a bare org/name is a hub id: resolved later, not checked here
+    check_paths(recipe_from_dict(base))  # a hub id: resolved later, not checked here
+    bare = {**base, "model": {"class_name": "TransformersModel", "model_id": "Qwen/Qwen2.5-0.5B"}}
+    with pytest.raises(ConfigError, match="model.model_id: model path 'Qwen/Qwen2.5-0.5B' does not exist .*"
+                                          "write hf://Qwen/Qwen2.5-0.5B"):
+        check_paths(recipe_from_dict(bare))  # without a scheme it is a local path, as resolving it says
     bad = {**base, "model": {"class_name": "TransformersModel", "model_id": str(tmp_path / "nowhere")},
            "data": {"train": str(tmp_path / "missing.jsonl"), "eval": str(tmp_path / "train.jsonl")}}
     with pytest.raises(ConfigError) as info:

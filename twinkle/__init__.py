@@ -2,7 +2,8 @@
 
 ``from twinkle.model import TransformersModel`` resolves the name through the plugin registry (the ``twinkle``
 entry-point group), so it works for any installed backend and, for one that is not installed, fails with the
-``pip install`` that provides it. ``twinkle.train(recipe)`` is :func:`twinkle_core.train.loop.train`.
+``pip install`` that provides it. ``twinkle.train(recipe)`` is :func:`twinkle_core.train.loop.train`;
+``from twinkle.data import build_loader`` builds a data loader from data files the way ``twinkle train`` does.
 Everything else lives in :mod:`twinkle_core`.
 """
 

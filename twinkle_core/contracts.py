@@ -55,6 +55,8 @@ SEAMS: tuple[Seam, ...] = (
     Seam("build", "Task", "check_recipe", "the recipe checker (`recipe_from_dict`, so `twinkle train` too)",
          "once the recipe's types are right, before anything is built (a class method)",
          '`return [] if recipe.data.mode in ("chat", "text") else ["data.mode: ..."]`'),
+    Seam("build", "Task", "check_data", _RECIPE, "before launch (`--dry-run` too), per split: what `load_dataset` "
+         "would refuse, without tokenizer or model", "`load_samples(path, **self.image_options())`"),
     Seam("build", "Task", "load_dataset", _TRAINER, "once per split, before training",
          "`return [tokenize(row) for row in read_jsonl(path)]`"),
     Seam("build", "Task", "prepare_model", _TRAINER, "once the model is built, before adapters",
@@ -97,6 +99,8 @@ SEAMS: tuple[Seam, ...] = (
          '`spec_options = frozenset({"sequence_parallel"})`'),
     Seam("build", "Strategy", "bind_precision", "the model constructor", "when a strategy object was passed "
          "without `precision=`", "`strategy.bind_precision(model.precision)`"),
+    Seam("build", "Strategy", "check_world_size", "`setup` and recipe validation (twinkle train, --dry-run too)",
+         "before launch with the job's size, and in `setup` with WORLD_SIZE", "`if world_size > 1: raise ConfigError(...)`"),
     Seam("build", "Strategy", "setup", "the model constructor", "once: join the process group, check the mesh",
          "`distributed.init_process_group(accelerator.dist_backend)`"),
     Seam("build", "Strategy", "prepare_precision", "the model constructor", "once, before the network is placed "
@@ -115,6 +119,8 @@ SEAMS: tuple[Seam, ...] = (
          "`model_kind` must be one", '`supported_model_kinds = ("causal_lm", "token_value")`'),
     Seam("build", "TwinkleModel", "check_adapter_config", _RECIPE, "before launch: a wrong adapter key fails "
          "once", "`LoraConfig(**config)`"),
+    Seam("build", "TwinkleModel", "check_options", _RECIPE, "before launch: `model.options` its `**kwargs` would "
+         "refuse fail once", "`check_spec(cls, leftover_options)`"),
     Seam("build", "TwinkleModel", "check_model_directory", _RECIPE, "before anything is built, for a local "
          "`model.model_id` with its own `config.json`", "`read_model_config(path)`"),
     Seam("build", "Loss", "requires", _RECIPE, "before anything is built: a task must `provide` each",
@@ -230,6 +236,9 @@ SEAMS: tuple[Seam, ...] = (
          "`save_file(state_dict, os.path.join(directory, \"model.safetensors\"))`"),
     Seam("checkpoint", _MODEL, "read_weights", "the model (`load`, resume)", "when a checkpoint is loaded",
          "`return load_file(os.path.join(directory, \"model.safetensors\"))`"),
+    Seam("checkpoint", "TwinkleModel", "save_base", _TRAINER, "every rank, once the model is built and before the "
+         "recipe's adapter: a base that exists nowhere else (built from a config) is saved for adapters to name",
+         '`return self.write_base(os.path.join(output_dir, "base")) if self.model_id is None else None`'),
     Seam("checkpoint", "Strategy", "reshards_checkpoints", "the model (`reshards_checkpoints`), the trainer",
          "on `--resume` with another number of processes", "`reshards_checkpoints = True  # DCP optimizer state`"),
     Seam("checkpoint", "TwinkleModel", "reshards_checkpoints", _TRAINER, "on `--resume`: a changed layout is "

@@ -104,6 +104,12 @@ class Strategy(ABC):
                               f"model uses {precision.name!r}; pass the same precision to both, or only to the model")
 
     # ------------------------------------------------------------------ process group
+    @classmethod
+    def check_world_size(cls, world_size: int) -> None:
+        """Raise :class:`~twinkle_core.errors.ConfigError` when this strategy cannot run a job of ``world_size``
+        processes. :meth:`setup` calls it with ``WORLD_SIZE``; ``twinkle train`` (``--dry-run`` too) calls it with
+        the job's size before anything is launched. Default: any size."""
+
     def setup(self, accelerator: Accelerator) -> None:
         """Join the process group and validate the mesh against the world size."""
         self.accelerator = accelerator
@@ -271,12 +277,16 @@ class Strategy(ABC):
 class SingleProcessStrategy(Strategy):
     name = "single"
 
-    def setup(self, accelerator: Accelerator) -> None:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    @classmethod
+    def check_world_size(cls, world_size: int) -> None:
+        if world_size > 1:
             from twinkle_core.errors import ConfigError
 
             raise ConfigError(
-                "strategy 'single' runs one process, but WORLD_SIZE > 1; choose a parallel strategy such as "
-                "'ddp' or 'native_fsdp' (pip install twinkle-backend-hf)"
+                f"strategy 'single' runs one process, but the job has {world_size} (WORLD_SIZE > 1); choose a "
+                "parallel strategy such as 'ddp' or 'native_fsdp' (pip install twinkle-backend-hf)"
             )
+
+    def setup(self, accelerator: Accelerator) -> None:
+        self.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
         super().setup(accelerator)

@@ -81,6 +81,12 @@ class Task(ABC):
         """
         return []
 
+    def check_data(self, path: Any, **data_options: Any) -> None:
+        """Refuse the data ``path`` (``data.train`` / ``data.eval``: a file or a list of sources) where
+        :meth:`load_dataset` would, raising the error it raises, for what can be told without a tokenizer or a
+        model (files the rows name ...). ``data_options`` are those ``load_dataset`` gets. ``twinkle train``
+        (``--dry-run`` too) calls it before launching. Default: nothing (``load_dataset`` reports)."""
+
     def evaluate(self, model: TwinkleModel, dataset: Any, tokenizer: Any, **options: Any) -> dict[str, float]:
         """Held-out metrics (default: none beyond the evaluation loss computed by the loop)."""
         return {}

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from twinkle_backend_hf.adapter_base import recorded_base
 from twinkle_core.errors import ConfigError
 from twinkle_core.lora import LoraSettings
 
@@ -137,9 +138,11 @@ def _file_key(full_name: str, name: str) -> str:
 
 
 def save_adapter(module: torch.nn.Module, name: str, state_dict: dict[str, torch.Tensor], directory: str,
-                 task_type: str | None = None) -> None:
+                 task_type: str | None = None, base: str | None = None) -> None:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` that ``PeftModel.from_pretrained`` loads (and,
-    with ``task_type`` such as ``CAUSAL_LM``, ``peft.AutoPeftModelForCausalLM``, which infers its class from it)."""
+    with ``task_type`` such as ``CAUSAL_LM``, ``peft.AutoPeftModelForCausalLM``, which infers its class from it).
+    ``base``: the base model (a local directory or ``hf://`` id), recorded as
+    :func:`~twinkle_backend_hf.adapter_base.recorded_base` says; default the network's ``_name_or_path``."""
     from safetensors.torch import save_file
 
     tensors = {_file_key(k, name): v.detach().cpu().contiguous() for k, v in state_dict.items()}
@@ -148,9 +151,9 @@ def save_adapter(module: torch.nn.Module, name: str, state_dict: dict[str, torch
     config.save_pretrained(directory)
     with open(os.path.join(directory, "adapter_config.json")) as fh:
         saved = json.load(fh)
-    base = getattr(module.get_base_model().config, "_name_or_path", None)
-    if base and not saved.get("base_model_name_or_path"):
-        saved["base_model_name_or_path"] = base
+    base = base or getattr(module.get_base_model().config, "_name_or_path", None)
+    if base:  # peft writes the network's _name_or_path, an absolute path that breaks when the run folder moves
+        saved["base_model_name_or_path"] = recorded_base(base, directory)
     if task_type and not saved.get("task_type"):
         saved["task_type"] = task_type
     with open(os.path.join(directory, "adapter_config.json"), "w") as fh:

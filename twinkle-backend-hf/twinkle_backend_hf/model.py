@@ -5,7 +5,9 @@ it, else ``eager``); ``"flash_attention_2"`` where flash-attn is installed and t
 
 Built from ``model_id`` (any source the core resolves: ``ms://``, ``hf://``, a local path) or from a
 ``transformers`` config (random init). Full fine-tuning, or PEFT adapters via
-``add_adapter_to_model``. ``save()`` writes what ``AutoModelForCausalLM.from_pretrained`` (full
+``add_adapter_to_model``. ``tokenizer``: a tokenizer object, or a local directory / ``hf://`` / ``ms://`` id to
+load one from; without it, ``model.tokenizer`` is the model directory's own tokenizer where it has one (``None``
+for a model built from a config alone). ``save()`` writes what ``AutoModelForCausalLM.from_pretrained`` (full
 weights, safetensors) or ``peft.PeftModel.from_pretrained`` (adapters) loads directly.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,7 +62,15 @@ class TransformersModel(TorchTwinkleModel):
         self.auto_class = auto_class
         self.model_kwargs = model_kwargs or {}
         self.model_path: str | None = None
+        self.saved_base: str | None = None  # where save_base wrote a config-built base
+        tokenizer = kwargs.get("tokenizer")
+        if isinstance(tokenizer, (str, os.PathLike)):  # a directory or hub id: loaded like the trainer loads it
+            kwargs["tokenizer"] = self.load_tokenizer(resolve.resolve_model(os.fspath(tokenizer)),
+                                                      trust_remote_code=self.trust_remote_code)
         super().__init__(**kwargs)
+        if self.tokenizer is None and self.model_path is not None and model_dir.holds_tokenizer_file(self.model_path):
+            # the model's own tokenizer: what save() writes next to the weights, and what data is tokenised with
+            self.tokenizer = self.load_tokenizer(self.model_path, trust_remote_code=self.trust_remote_code)
 
     @classmethod
     def check_adapter_config(cls, config: Any) -> None:
@@ -213,7 +224,7 @@ class TransformersModel(TorchTwinkleModel):
         if adapter_name is not None:
             causal = getattr(self.task, "model_kind", "causal_lm") == "causal_lm"
             adapters.save_adapter(self.module, adapter_name, state_dict, directory,
-                                  task_type="CAUSAL_LM" if causal else None)
+                                  task_type="CAUSAL_LM" if causal else None, base=self.adapter_base())
         else:
             compat.unwrap_without_importing_deepspeed()  # no DeepSpeed import (4.5 s, a warning) without DeepSpeed
             self.hf_model.save_pretrained(directory, state_dict={k: v.detach().cpu() for k, v in state_dict.items()},
@@ -221,6 +232,33 @@ class TransformersModel(TorchTwinkleModel):
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(directory)
             _warn_if_tokenizer_changes_on_reload(self.tokenizer, directory, trust_remote_code=self.trust_remote_code)
+
+    def save_base(self, output_dir: str) -> str | None:
+        """A base built from ``config`` (random init) is saved as ``output_dir/base`` (a transformers directory with
+        the tokenizer, and a marker), before the adapter is added. A base from ``model_id`` is left where it is."""
+        if self.model_id is not None:
+            return None
+        from twinkle_backend_hf.adapter_base import SAVED_BASE_NAME
+        from twinkle_core import checkpoint
+
+        path = os.path.join(output_dir, SAVED_BASE_NAME)
+        # written at every start (a resumed run rebuilds the same weights from config and seed; a run that changed
+        # the config replaces a stale base), from the network as built: not through the strategy, whose wrapping
+        # must come after the adapter
+        is_main = self.strategy.is_main_process
+        with checkpoint.atomic_directory(path, is_main=is_main, metadata={"saved_base": True}) as staging:
+            if is_main:
+                self.write_weights(staging, dict(self.hf_model.state_dict()), None)
+        self.saved_base = path
+        return path
+
+    def adapter_base(self) -> str | None:
+        """The base adapters record: the saved base, the ``hf://`` id it was built from, or its local directory."""
+        if self.saved_base is not None:
+            return self.saved_base
+        if isinstance(self.model_id, str) and self.model_id.startswith("hf://"):
+            return self.model_id
+        return self.model_path
 
     def read_weights(self, directory: str, adapter_name: str | None) -> dict[str, torch.Tensor]:
         if adapter_name is not None:

@@ -80,13 +80,20 @@ def unknown_model_type_message(file: Path, model_type: str, known: list[str]) ->
             f"model.trust_remote_code: true in the recipe")
 
 
+def holds_tokenizer_file(path: str | Path) -> bool:
+    """Whether the local directory ``path`` holds a tokenizer file (``tokenizer.json``, ``tokenizer_config.json``,
+    ``vocab.*``, ``*.model`` ...); False for a path that is not a directory."""
+    path = Path(path)
+    return path.is_dir() and any(p.is_file() and (p.name.startswith(TOKENIZER_FILE_PREFIXES) or
+                                                  p.name.endswith(TOKENIZER_FILE_SUFFIXES)) for p in path.iterdir())
+
+
 def check_tokenizer_directory(path: str | Path) -> None:
     """Raise :class:`~twinkle_core.errors.SourceError` naming the local directory ``path`` when it holds no tokenizer
     file at all (``tokenizer.json``, ``tokenizer_config.json``, ``vocab.*``, ``*.model`` ...): transformers then fails
     with an unrelated message, or builds an empty tokenizer from ``config.json`` alone."""
     path = Path(path)
-    if not path.is_dir() or any(p.is_file() and (p.name.startswith(TOKENIZER_FILE_PREFIXES) or
-                                                 p.name.endswith(TOKENIZER_FILE_SUFFIXES)) for p in path.iterdir()):
+    if not path.is_dir() or holds_tokenizer_file(path):
         return
     contents = directory_contents(path)
     if not contents:

@@ -49,7 +49,9 @@ class TrainCommand(Command):
                                  "also TWINKLE_SHOW_WARNINGS=1)")
         parser.add_argument("--dry-run", action="store_true",
                             help="validate the recipe (keys, plugin names, local files, component options, adapter "
-                                 "keys, model / strategy / mesh), print it resolved, and exit without training")
+                                 "keys, model / strategy / mesh / number of processes, the loss's inputs, the data "
+                                 "rows the task checks, a --resume's optimizer settings) as the real run does, print "
+                                 "it resolved, and exit without training")
         parser.add_argument("--runtime", default=DEFAULT_RUNTIME, metavar="NAME",
                             help=f"what starts the job's ranks (default {DEFAULT_RUNTIME}; installed: "
                                  f"{', '.join(sorted(self.runtimes)) or 'none'}). Each runtime's options follow")
@@ -175,7 +177,7 @@ def check_output_dir(recipe: Any, args: argparse.Namespace) -> None:
     import socket
     from pathlib import Path
 
-    from twinkle_core.train.checkpointing import check_start
+    from twinkle_core.train.checkpointing import check_resume, check_start
     from twinkle_core.train.run_lock import LOCK_FILE, pid_alive, read_holder
 
     output_dir = Path(recipe.train.output_dir)
@@ -184,6 +186,8 @@ def check_output_dir(recipe: Any, args: argparse.Namespace) -> None:
         return
     check_start(output_dir, resume=recipe.train.resume, weights_only=args.resume_weights_only,
                 overwrite=getattr(args, "overwrite", False))
+    if int(os.environ.get("RANK", "0")) == 0:  # what the trainer's resume would refuse (one rank verifies the files)
+        check_resume(output_dir, recipe.train.resume, recipe.optimizer)
 
 
 def print_dry_run(recipe: Any, strategy: str, args: argparse.Namespace) -> None:

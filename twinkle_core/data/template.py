@@ -49,6 +49,12 @@ class TemplateError(RowError):
     """The chat template cannot be used to locate assistant turns for this conversation."""
 
 
+#: why data cannot be tokenised without a tokenizer, and where to pass one
+NO_TOKENIZER = ("no tokenizer was given (tokenizer=None), so the data cannot be tokenised: pass tokenizer= (a "
+                "transformers tokenizer, or build the model with TransformersModel(..., tokenizer=<directory or "
+                "hf://org/name>) and pass tokenizer=model.tokenizer); in a recipe, set model.tokenizer")
+
+
 def _no_chat_template(tokenizer: Any) -> str:
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     from twinkle_core.data.chat_templates import template_names
@@ -69,6 +75,8 @@ class Template:
             raise ConfigError(f"truncation must be one of {', '.join(map(repr, TRUNCATION_SIDES))}, got {truncation!r}")
         if max_length is not None and max_length < 2:
             raise ConfigError(f"max_length must be at least 2 to hold a prompt and an answer, got {max_length}")
+        if tokenizer is None:
+            raise ConfigError(NO_TOKENIZER)
         end_of_turn_tokens = list(end_of_turn_tokens or ())
         if chat_template is not None:
             from twinkle_core.data.chat_templates import resolve_chat_template

@@ -41,6 +41,8 @@ class GKDLoss(Loss):
     """
 
     name: ClassVar[str] = "gkd"
+    #: the teacher's logits come with the batch: a task that produces them (``Task.provides``) is needed
+    requires: ClassVar[frozenset[str]] = frozenset({"teacher_logits"})
 
     def __init__(
         self, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = IGNORE_INDEX, chunk_size: int = 1024

@@ -59,6 +59,12 @@ class TwinkleModel(ABC):
         built from the directory's own ``config.json``. Default: accept (the build reports what it finds)."""
 
     @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        """Refuse, without building anything, recipe ``model.options`` this class's constructor would refuse where
+        its signature cannot tell (options taken by ``**kwargs`` and checked inside). ``twinkle train`` and
+        ``--dry-run`` call it before launching. Default: accept."""
+
+    @classmethod
     def check_adapter_config(cls, config: Any) -> None:
         """Refuse an adapter config this class would refuse in ``add_adapter_to_model``, without building anything
         (``twinkle train`` and ``--dry-run`` call it before launching). Default: accept."""
@@ -194,6 +200,13 @@ class TwinkleModel(ABC):
     def save(self, name: str, *, output_dir: str, adapter_name: str | None = None,
              save_optimizer: bool = True, extra_state: dict[str, Any] | None = None) -> str:
         """Write ``output_dir/name`` atomically; return its path."""
+
+    def save_base(self, output_dir: str) -> str | None:
+        """Save the base model for the adapters that will be trained on it, when it can be loaded from nowhere
+        else (e.g. randomly initialised from a config): the trainer calls it on every process, once the model is
+        built and before the recipe's adapter is added; the adapters then record the saved directory as their
+        base. Returns that directory, or None when nothing needed saving. Default: nothing."""
+        return None
 
     @abstractmethod
     def load(self, path: str, *, adapter_name: str | None = None, **kwargs: Any) -> None:

@@ -8,6 +8,8 @@ builds the strategy and sets it up on the accelerator.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +17,7 @@ from twinkle_core.accelerator import Accelerator, current_accelerator
 from twinkle_core.capabilities import check_compatible, check_model_kind
 from twinkle_core.errors import ConfigError
 from twinkle_core.mesh import DeviceMesh, default_strategy, merge_spec_sizes, pop_spec_sizes, suggest_spec_key
+from twinkle_core.options import accepted_options
 from twinkle_core.plugins import get_plugins
 from twinkle_core.precision import Precision
 from twinkle_core.strategy import Strategy
@@ -51,6 +54,23 @@ def _tensor_sequence_parallel(strategy_cls: type, strategy: str | Strategy, opti
     return options
 
 
+def check_spec(model_cls: type, spec: Mapping[str, Any]) -> tuple[dict[str, int], bool | None]:
+    """The spec's size aliases in ``spec`` (the constructor's remaining keyword options), as
+    :func:`~twinkle_core.mesh.pop_spec_sizes` returns them; any other key is refused, with a suggestion.
+    The model's constructor calls it (:func:`build_runtime`), and ``twinkle train`` / ``--dry-run`` through
+    :meth:`TorchTwinkleModel.check_options`."""
+    spec = dict(spec)
+    sizes, tensor_sequence_parallel = pop_spec_sizes(spec)
+    if spec:
+        known = sorted(accepted_options(model_cls).names)
+        hints = []
+        for key in sorted(spec):
+            close = suggest_spec_key(key) or next(iter(difflib.get_close_matches(str(key), known, n=1)), None)
+            hints.append(f"{key} (did you mean {close}?)" if close else key)
+        raise ConfigError(f"{model_cls.__name__} got unknown option(s) {', '.join(hints)}")
+    return sizes, tensor_sequence_parallel
+
+
 def build_runtime(model_cls: type, *, task: Any, strategy: str | Strategy | None,
                   strategy_options: dict[str, Any] | None, mesh: DeviceMesh | dict[str, int] | None,
                   precision: str | Precision, spec: dict[str, Any]) -> Runtime:
@@ -58,12 +78,7 @@ def build_runtime(model_cls: type, *, task: Any, strategy: str | Strategy | None
 
     ``spec`` holds the constructor's remaining keyword options: the spec's size aliases are taken from it,
     anything else is refused with a suggestion."""
-    spec = dict(spec)
-    sizes, tensor_sequence_parallel = pop_spec_sizes(spec)
-    if spec:
-        hints = [f"{key} (did you mean {suggest_spec_key(key)}?)" if suggest_spec_key(key) else key
-                 for key in sorted(spec)]
-        raise ConfigError(f"{model_cls.__name__} got unknown option(s) {', '.join(hints)}")
+    sizes, tensor_sequence_parallel = check_spec(model_cls, spec)
     check_model_kind(model_cls, task)
     mesh = merge_spec_sizes(mesh, sizes)
     plugins = get_plugins()

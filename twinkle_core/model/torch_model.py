@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -52,11 +52,12 @@ from twinkle_core.model.base import TwinkleModel
 from twinkle_core.model.data_parallel import DataParallelView
 from twinkle_core.model.frozen import trains
 from twinkle_core.model.loss_setup import build_loss
-from twinkle_core.model.runtime import build_runtime
+from twinkle_core.model.runtime import build_runtime, check_spec
 from twinkle_core.model.step_context import StepContext
 from twinkle_core.model.train_configs import describe_training
 from twinkle_core.model.train_state import TrainState
 from twinkle_core.optim import build_optimizer, build_scheduler
+from twinkle_core.options import accepted_options
 from twinkle_core.precision import Precision
 from twinkle_core.sampling import GenerationModule
 from twinkle_core.strategy import Strategy
@@ -68,6 +69,13 @@ class TorchTwinkleModel(TwinkleModel):
 
     #: batch keys passed to the network (the task's ``model_inputs`` are added); the rest is for the loss
     model_input_keys: tuple[str, ...] = ("input_ids", "attention_mask", "position_ids")
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        """What the constructor's ``**spec`` would receive (the options no ``__init__`` of the class names) is
+        checked as the constructor checks it (:func:`~twinkle_core.model.runtime.check_spec`)."""
+        named = accepted_options(cls).names
+        check_spec(cls, {key: value for key, value in options.items() if key not in named})
 
     def __new__(cls, *args: Any, **kwargs: Any) -> TorchTwinkleModel:
         self = super().__new__(cls)

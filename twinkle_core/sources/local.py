@@ -86,6 +86,19 @@ def read_model_config(path: str | Path) -> dict[str, Any] | None:
     return data
 
 
+def check_local_path(raw: str) -> Path:
+    """The local model path ``raw`` (a directory or file that exists); a missing one is a :class:`SourceError`,
+    which for an ``org/name`` says how to download it from a hub instead. Resolving a local source checks it, and
+    ``twinkle train`` / ``--dry-run`` before launching."""
+    path = Path(raw).expanduser()
+    if not path.exists():
+        hint = ""
+        if len(raw.split("/")) == 2 and not raw.startswith((".", "/", "~")):
+            hint = f" To download it from a hub, write hf://{raw} (Hugging Face) or ms://{raw} (ModelScope)."
+        raise SourceError(f"model path {raw!r} does not exist (looked at {path.absolute()}).{hint}")
+    return path
+
+
 class LocalSource(ModelSource):
     scheme = "local"
 
@@ -93,13 +106,7 @@ class LocalSource(ModelSource):
         _, raw = split_uri(uri)
         if not raw:
             raise SourceError(f"empty model path {uri!r}")
-        path = Path(raw).expanduser()
-        if not path.exists():
-            hint = ""
-            parts = raw.split("/")
-            if len(parts) == 2 and not raw.startswith((".", "/", "~")):
-                hint = f" To download it from a hub, write hf://{raw} (Hugging Face) or ms://{raw} (ModelScope)."
-            raise SourceError(f"model path {raw!r} does not exist (looked at {path.absolute()}).{hint}")
+        path = check_local_path(raw)
         if revision:
             raise SourceError(f"a revision ({revision!r}) was given for the local path {raw!r}; local models "
                               f"have no revisions, remove it")

@@ -8,7 +8,6 @@ helpers are functions rather than methods so that tests can patch them.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from twinkle_core import distributed
 from twinkle_core.errors import ConfigError
 from twinkle_core.model.spec import ModelSpec
 from twinkle_core.task import Task, default_loss_name
+from twinkle_core.train.data_options import data_options, keyword_parameters
 from twinkle_core.train.logging import StartupTimer
 from twinkle_core.train.recipe import Recipe, validate_plugin_names
 from twinkle_core.train.seeding import seed_everything
@@ -31,7 +31,6 @@ logger = logging.getLogger("twinkle.train")
 ADAPTER_NAME = "default"
 
 #: the ``data`` keys passed on to ``task.load_dataset`` when the recipe sets them
-DATA_KEYS = ("max_length", "mode", "packing", "template", "columns")
 
 
 def dataloader_class() -> Any:
@@ -91,6 +90,9 @@ def build_run(recipe: Recipe, *, output_dir: Path, adapter_name: str | None, tim
         seed_everything(recipe.train.seed)
         task = plugins.load("task", recipe.task)(**recipe.task_options)
     try:
+        from twinkle_core.train.recipe.components import check_loss_inputs
+
+        check_loss_inputs(recipe, task, plugins)  # a loss reading what the task does not produce: before any build
         return _build_with_task(recipe, task, plugins, output_dir=output_dir, adapter_name=adapter_name, timer=timer)
     except BaseException:
         task.close()
@@ -111,7 +113,7 @@ def _build_with_task(recipe: Recipe, task: Task, plugins: Any, *, output_dir: Pa
     with timer.phase("model"):
         mesh = build_mesh(recipe)
         model = build_model(recipe, model_cls, task, tokenizer, model_dir=model_dir, mesh=mesh, trust=trust,
-                            adapter_name=adapter_name)
+                            adapter_name=adapter_name, output_dir=output_dir)
     with timer.phase("setup"):
         view = data_parallel_of(model, mesh)
         # before any resume: what a task precomputes with the model (reference log-probs) uses its initial weights
@@ -139,40 +141,13 @@ def load_tokenizer(recipe: Recipe, model_cls: Any, trust: bool) -> tuple[str | N
     return model_dir, model_cls.load_tokenizer(tokenizer_dir, trust_remote_code=trust)
 
 
-def _keyword_parameters(function: Any) -> set[str]:
-    """The named parameters ``function`` takes (not ``**kwargs``)."""
-    try:
-        return set(inspect.signature(function).parameters)
-    except (TypeError, ValueError):  # pragma: no cover
-        return set()
-
-
-def data_options(recipe: Recipe, task: Task, output_dir: Path) -> dict[str, Any]:
-    """The keyword arguments of ``task.load_dataset``: ``data.options`` plus the ``data`` keys the recipe sets, the
-    mixing seed of a list of sources and the tokenised-data cache where the task takes one."""
-    d = recipe.data
-    options = dict(d.options)
-    options.update({key: getattr(d, key) for key in DATA_KEYS if getattr(d, key) is not None})
-    if isinstance(d.train, list) or isinstance(d.eval, list):  # mixing several sources
-        options["seed"] = d.seed if d.seed is not None else recipe.train.seed
-    accepted = _keyword_parameters(task.load_dataset)
-    if "trust_remote_code" in accepted:  # a task that loads a processor or other repository files itself
-        from twinkle_core.sources.resolve import trust_remote_code
-
-        options["trust_remote_code"] = trust_remote_code(recipe.model.trust_remote_code)
-    if "cache_dir" in accepted and d.cache_dir is not False \
-            and "cache_dir" not in options:
-        options["cache_dir"] = str(output_dir / "data_cache") if d.cache_dir in (None, True) else str(d.cache_dir)
-    return options
-
-
 def load_datasets(recipe: Recipe, task: Task, tokenizer: Any, output_dir: Path) -> tuple[Any, Any]:
     """``(training set, held-out set or None)`` as the task loads them."""
     r = recipe
     options = data_options(recipe, task, output_dir)
     train_options = dict(options)
     if r.data.streaming:
-        if "streaming" not in _keyword_parameters(task.load_dataset):
+        if "streaming" not in keyword_parameters(task.load_dataset):
             raise ConfigError(f"data.streaming: the task {r.task!r} cannot stream its data")
         if r.train.max_steps is None:
             raise ConfigError("data.streaming: the length of a streamed data set is unknown; set train.max_steps")
@@ -194,8 +169,9 @@ def build_mesh(recipe: Recipe) -> Any:
 
 
 def build_model(recipe: Recipe, model_cls: Any, task: Task, tokenizer: Any, *, model_dir: str | None, mesh: Any,
-                trust: bool, adapter_name: str | None) -> Any:
-    """The model, prepared by the task, with the recipe's adapter, loss and optimizer set."""
+                trust: bool, adapter_name: str | None, output_dir: Path | None = None) -> Any:
+    """The model, prepared by the task, with the recipe's adapter, loss and optimizer set; with an adapter, a base
+    that exists nowhere else is saved in ``output_dir`` first (``TwinkleModel.save_base``)."""
     r = recipe
     model = ModelSpec(
         model_id=model_dir, config=r.model.config, strategy=r.strategy.name, strategy_options=r.strategy.options,
@@ -205,6 +181,8 @@ def build_model(recipe: Recipe, model_cls: Any, task: Task, tokenizer: Any, *, m
     ).build(model_cls)
     task.prepare_model(model)
     if r.model.adapter:
+        if output_dir is not None:
+            model.save_base(str(output_dir))
         model.add_adapter_to_model(ADAPTER_NAME, dict(r.model.adapter))
     loss_name = r.loss.name or default_loss_name(task)
     model.set_loss(loss_name, adapter_name=adapter_name, **{**task.loss_options(loss_name), **r.loss.options})

@@ -86,6 +86,36 @@ def locate_checkpoint(spec: str, output_dir: Path, flag: str) -> Path:
     return found
 
 
+def check_resumed_optimizer(path: str | Path, saved: dict[str, Any], optimizer: Any) -> None:
+    """Refuse an optimizer option of the recipe's ``optimizer`` section that differs from ``saved`` (the
+    checkpoint's ``extra_state["optimizer_options"]``): the resumed optimizer and schedule would keep the saved
+    value whatever the recipe says. (Checkpoints from before this check have none.)"""
+    changed = [f"optimizer.{key}={saved[key]!r} there but {value!r} in the recipe"
+               for key, value in (("lr", optimizer.lr), ("weight_decay", optimizer.weight_decay))
+               if key in saved and saved[key] != value]
+    if changed:
+        raise ConfigError(
+            f"train.resume: {path} was trained with {'; '.join(changed)}. A resumed run keeps the checkpoint's "
+            f"optimizer and learning-rate schedule, so the new value would be ignored; set the checkpoint's "
+            f"value to resume, or start a new run to change it")
+
+
+def check_resume(output_dir: str | Path, resume: str | None, optimizer: Any) -> None:
+    """What the trainer's resume refuses that the files tell before anything is built: the checkpoint
+    ``resume`` names (``latest``: the newest under ``output_dir``; none yet is no error) was trained with other
+    optimizer options (:func:`check_resumed_optimizer`). ``twinkle train`` (``--dry-run`` too) calls it before
+    launching; a checkpoint whose trainer state cannot be read is left to the resume itself to report."""
+    if not resume:
+        return
+    output_dir = Path(output_dir)
+    path = latest_checkpoint(output_dir) if resume == "latest" else locate_checkpoint(resume, output_dir, "--resume")
+    if path is None:
+        return
+    extra = resharding.saved_extra_state(path)
+    if extra is not None:
+        check_resumed_optimizer(path, extra.get("optimizer_options") or {}, optimizer)
+
+
 def check_start(output_dir: str | Path, *, resume: str | None = None, weights_only: str | None = None,
                 overwrite: bool = False) -> PreviousRun | None:
     """Refuse a start that would mix two runs in ``output_dir``, before anything is built; return the previous run
@@ -336,14 +366,4 @@ class Checkpointer:
         return str(path)
 
     def _check_resumed_optimizer(self, path: Path, saved: dict[str, Any]) -> None:
-        """Refuse an optimizer option that differs from the checkpoint's: the resumed optimizer and schedule
-        would keep the saved value whatever the recipe says. (Checkpoints from before this check have none.)"""
-        o = self.run.recipe.optimizer
-        changed = [f"optimizer.{key}={saved[key]!r} there but {value!r} in the recipe"
-                   for key, value in (("lr", o.lr), ("weight_decay", o.weight_decay))
-                   if key in saved and saved[key] != value]
-        if changed:
-            raise ConfigError(
-                f"train.resume: {path} was trained with {'; '.join(changed)}. A resumed run keeps the checkpoint's "
-                f"optimizer and learning-rate schedule, so the new value would be ignored; set the checkpoint's "
-                f"value to resume, or start a new run to change it")
+        check_resumed_optimizer(path, saved, self.run.recipe.optimizer)

@@ -48,20 +48,37 @@ def layout(*, world_size: int, dp_size: int, batch_size: int, gradient_accumulat
             "gradient_accumulation_steps": int(gradient_accumulation_steps), "strategy": strategy}
 
 
-def saved_layout(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The layout a checkpoint was trained with, from its ``trainer_state.pt``; ``None`` when it cannot be told
-    (another model implementation's checkpoint, or a damaged file: resuming reports that one itself).
-    Checkpoints written before the layout was recorded give what their data-loader state and RNG files say."""
+def _trainer_state(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """A checkpoint's ``trainer_state.pt``; ``None`` when there is none or it cannot be read."""
     from twinkle_core import checkpoint
     from twinkle_core.checkpoint_layout import CheckpointLayout
-    from twinkle_core.checkpoint_layout import TrainerStateKeys as Keys
 
     file = CheckpointLayout(os.fspath(path)).trainer_state
     if not os.path.isfile(file):
         return None
     try:
-        trainer = checkpoint.load_state_file(file)
+        return checkpoint.load_state_file(file)
     except checkpoint.CheckpointError:
+        return None
+
+
+def saved_extra_state(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ``extra_state`` a checkpoint was saved with (what the trainer reads back on resume); ``None`` when it
+    cannot be told (see :func:`saved_layout`)."""
+    from twinkle_core.checkpoint_layout import TrainerStateKeys as Keys
+
+    trainer = _trainer_state(path)
+    return None if trainer is None else dict(trainer.get(Keys.EXTRA_STATE) or {})
+
+
+def saved_layout(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The layout a checkpoint was trained with, from its ``trainer_state.pt``; ``None`` when it cannot be told
+    (another model implementation's checkpoint, or a damaged file: resuming reports that one itself).
+    Checkpoints written before the layout was recorded give what their data-loader state and RNG files say."""
+    from twinkle_core.checkpoint_layout import TrainerStateKeys as Keys
+
+    trainer = _trainer_state(path)
+    if trainer is None:
         return None
     extra = trainer.get(Keys.EXTRA_STATE) or {}
     if isinstance(extra.get("layout"), dict):

@@ -246,6 +246,13 @@ class VLMTask(TrainablePartsMixin, Task):
             problems.append(f"task_options.image_root: must be a directory path, got {root!r}")
         return problems
 
+    def check_data(self, path: Any, *, columns: dict[str, str] | None = None, seed: int | None = None,
+                   **data_options: Any) -> None:
+        """Every row and image of ``path``, checked as :meth:`load_dataset` checks them (:func:`load_samples`), less
+        the sizes the processor takes (``twinkle train`` and ``--dry-run`` call it before launching)."""
+        load_samples(path, columns=self._option(columns, "columns", None), seed=int(seed or 0),
+                     **self.image_options())
+
     def image_options(self) -> dict[str, Any]:
         """``image_root`` and ``max_image_pixels`` from the task options (see :mod:`twinkle_vlm.images`)."""
         return {"image_root": self.options.get("image_root"),

@@ -5,7 +5,8 @@ A checkpoint is one of:
 - a full Hugging Face model directory (``config.json`` + weights), e.g. ``OUTPUT_DIR/final`` of a full
   fine-tune;
 - a PEFT adapter directory (``adapter_config.json``) whose base model is recorded in the adapter config
-  (``base_model_name_or_path``) or given with ``--base``;
+  (``base_model_name_or_path``: a relative path there is relative to the adapter directory, see
+  :mod:`~twinkle_backend_hf.adapter_base`) or given with ``--base``;
 - a Twinkle output directory (``train.output_dir``): its ``final`` checkpoint, else its newest ``checkpoint-N``.
 
 Before anything loads, a checkpoint is verified against its Twinkle marker (or said to be unverifiable without
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from twinkle_backend_hf.adapter_base import resolve_recorded_base
 from twinkle_backend_hf.commands.checkpoint_files import (
     DAMAGED_FIX,
     TRUST_FIX,
@@ -110,7 +112,8 @@ def resolve_checkpoint(path: str | os.PathLike[str], base: str | None = None, *,
         p = chosen
     if (p / "adapter_config.json").is_file():
         recorded = read_json_object(p / "adapter_config.json").get("base_model_name_or_path")
-        chosen_base = base or recorded
+        # a recorded relative path is relative to the adapter directory (adapter_base): the run folder may move
+        chosen_base = base or (resolve_recorded_base(recorded, p) if isinstance(recorded, str) else recorded)
         if not chosen_base:
             raise ConfigError(f"{p} is a PEFT adapter whose adapter_config.json records no base model "
                               f"(base_model_name_or_path); pass the base model directory with --base DIR")

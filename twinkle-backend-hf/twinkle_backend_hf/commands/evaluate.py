@@ -194,6 +194,20 @@ def check_lm_eval() -> None:
         raise ConfigError(LM_EVAL_MISSING) from None
 
 
+def lm_eval_data_missing(tasks: list[str], exc: BaseException) -> str:
+    """What to do when lm-eval cannot get a task's data set: lm-eval reads it with ``datasets`` from the hub, or
+    offline from the ``datasets`` cache only."""
+    offline = any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+                  for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    where = ("offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set) lm-eval reads data sets only from the Hugging "
+             "Face datasets cache, and it does not hold this one" if offline else "the hub could not be reached")
+    return (f"--tasks {','.join(tasks)}: lm-eval could not load the task's data set ({exc}); {where}. Run it once "
+            f"online to fill the cache (HF_HOME / HF_DATASETS_CACHE say where; copy a filled cache to an offline "
+            f"machine), or evaluate local files: a task YAML of your own with dataset_path: json and "
+            f"dataset_kwargs: {{data_files: ...}} in a directory passed with --include-path DIR, or a chat / text "
+            f"JSONL as DATA")
+
+
 def run_lm_eval(model: Any, tokenizer: Any, tasks: list[str], *, batch_size: int, limit: int | None,
                 include_path: str | None) -> dict[str, dict[str, Any]]:
     """``{task: {metric: value}}`` from ``lm_eval.simple_evaluate`` on the loaded model."""
@@ -209,7 +223,10 @@ def run_lm_eval(model: Any, tokenizer: Any, tasks: list[str], *, batch_size: int
         raise ConfigError(f"lm-eval has no task {', '.join(map(repr, unknown))}; 'lm-eval ls tasks' lists them"
                           + ("" if include_path else ", and --include-path DIR adds your own task YAMLs"))
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager)
+    try:
+        out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=manager)
+    except ConnectionError as exc:  # datasets cannot fetch a task's data set (offline, or the hub unreachable)
+        raise ConfigError(lm_eval_data_missing(tasks, exc)) from None
     results: dict[str, dict[str, Any]] = {}
     for task, metrics in (out or {}).get("results", {}).items():
         results[task] = {k: v for k, v in metrics.items()

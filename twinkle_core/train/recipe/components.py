@@ -12,10 +12,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from twinkle_core.errors import ConfigError, PluginNotFoundError
+from twinkle_core.errors import ConfigError, PluginNotFoundError, SourceError
 from twinkle_core.mesh import DeviceMesh, default_strategy
 from twinkle_core.optim import check_optimizer_options
 from twinkle_core.options import check_options
+from twinkle_core.sources.local import check_local_path
 from twinkle_core.task import default_loss_name
 from twinkle_core.train.recipe.schema import CONSTRUCTOR_KEYS_FROM, Recipe
 
@@ -53,8 +54,9 @@ def validate_plugin_names(recipe: Recipe, plugins: Any = None) -> None:
 def check_paths(recipe: Recipe) -> None:
     """Refuse local files and directories the recipe names that do not exist, before anything is launched.
 
-    ``data.train`` / ``data.eval`` are files; ``model.model_id`` / ``model.tokenizer`` are checked only when they
-    are local paths (absolute, or written ``./`` / ``~``): a bare ``org/name`` is a hub id, resolved later."""
+    ``data.train`` / ``data.eval`` are files; ``model.model_id`` / ``model.tokenizer`` without a scheme are local
+    paths: a bare ``org/name`` that does not exist is refused as resolving it would be (write ``hf://`` or
+    ``ms://`` for a hub id)."""
     problems = []
     for key, spec in (("data.train", recipe.data.train), ("data.eval", recipe.data.eval)):
         items = [(key, spec)] if not isinstance(spec, list) else [
@@ -67,6 +69,10 @@ def check_paths(recipe: Recipe) -> None:
             continue
         path = Path(value).expanduser()
         if not (path.is_absolute() or value.startswith(("./", "../", "~"))):
+            try:  # a bare name is a local path too: what resolving it says (an org/name: write hf:// or ms://)
+                check_local_path(value)
+            except SourceError as exc:
+                problems.append(f"{key}: {exc}")
             continue
         if not path.exists():
             problems.append(f"{key}: the directory {value!r} does not exist")
@@ -99,6 +105,9 @@ def validate_components(recipe: Recipe, plugins: Any = None, *, world_size: int 
     task = task_cls(**recipe.task_options)
     model_cls = plugins.load("model", recipe.model.class_name)
     check_options(model_cls, recipe.model.options, where="model.options", provided=CONSTRUCTOR_KEYS_FROM)
+    check_kwargs = getattr(model_cls, "check_options", None)  # TwinkleModel.check_options; a bare class has none
+    if check_kwargs is not None:  # what its **kwargs take, checked as its constructor does
+        check_kwargs(dict(recipe.model.options))
     check_model_kind(model_cls, task)  # a task whose network this backend does not build fails before launch
     if "kernels" in recipe.model.options:  # a kernel name no plugin registers fails before launch
         from twinkle_core.kernels import check_switch
@@ -121,6 +130,8 @@ def validate_components(recipe: Recipe, plugins: Any = None, *, world_size: int 
                   provided={"mesh": "mesh", "precision": "precision"})
     check_compatible(model_cls, strategy_cls, DeviceMesh(**recipe.mesh) if recipe.mesh else None,
                      strategy_name=strategy)
+    # the job's size, or this process's WORLD_SIZE (a launched rank): the check the strategy's setup makes
+    strategy_cls.check_world_size(world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")))
     _check_loss_options(recipe, task, plugins)
     check_optimizer_options(plugins.load("optimizer", recipe.optimizer.name), recipe.optimizer.options)
     check_options(plugins.load("scheduler", recipe.lr_scheduler.name), recipe.lr_scheduler.options,
@@ -129,6 +140,7 @@ def validate_components(recipe: Recipe, plugins: Any = None, *, world_size: int 
     check_options(task.load_dataset, recipe.data.options, where="data.options", positional=2,  # path, tokenizer
                   provided={key: f"data.{key}" for key in ("max_length", "mode", "packing", "template", "columns")})
     _check_data_spec(recipe, task)
+    _check_data(recipe, task)
     if recipe.train.evaluate_options is not None:  # after model, dataset, tokenizer
         check_options(task.evaluate, recipe.train.evaluate_options, where="train.evaluate_options", positional=3)
     return strategy
@@ -156,10 +168,28 @@ def _check_data_spec(recipe: Recipe, task: Any) -> None:
         resolve_chat_template(recipe.data.template)
 
 
+def _check_data(recipe: Recipe, task: Any) -> None:
+    """What the task's ``load_dataset`` would refuse in the data without a tokenizer or model (``Task.check_data``),
+    with the options the trainer passes it."""
+    from twinkle_core.train.data_options import data_options
+
+    options = data_options(recipe, task, Path(recipe.train.output_dir))
+    for spec in (recipe.data.train, recipe.data.eval):
+        if spec is not None:
+            task.check_data(spec, **options)
+
+
+def check_loss_inputs(recipe: Recipe, task: Any, plugins: Any) -> None:
+    """The recipe's loss reads only batch features ``task`` provides (``Loss.requires`` / ``Task.provides``):
+    checked before launch (``--dry-run`` too) and by the trainer once the task exists (``train()`` from Python)."""
+    name = recipe.loss.name or default_loss_name(task)
+    _check_loss_inputs(name, plugins.load("loss", name), recipe.task, task, plugins)
+
+
 def _check_loss_options(recipe: Recipe, task: Any, plugins: Any) -> None:
     name = recipe.loss.name or default_loss_name(task)
     loss = plugins.load("loss", name)
-    _check_loss_inputs(name, loss, recipe.task, task, plugins)
+    check_loss_inputs(recipe, task, plugins)
     if inspect.isclass(loss):
         check_options(loss, recipe.loss.options, where="loss.options")
     elif recipe.loss.options:  # a loss function is used as it is
@@ -182,6 +212,7 @@ def _check_loss_inputs(loss_name: str, loss: Any, task_name: str, task: Any, plu
         if missing <= provided:
             providers.append(name)
     hint = (f"use task: {' or '.join(repr(p) for p in providers)}" if providers
-            else "no installed task provides them")
+            else "no installed task provides them: install a task plugin whose Task.provides names them, or "
+                 "choose another loss.name")
     raise ConfigError(f"loss.name: the loss {loss_name!r} needs batches with {', '.join(sorted(missing))}, which "
                       f"the task {task_name!r} does not produce; {hint}")
