@@ -68,8 +68,9 @@ def test_native_adapter_survives_kill_and_resumes_exactly(tmp_path: Path):
         model.add_adapter_to_model("gone", dict(LORA))  # removed before the crash: it must stay removed
         model.remove_adapter("gone")
         # a Tinker run beside it: restored by its own path, and counted with the native adapters
-        tinker.ServiceClient(base_url=server.base_url, api_key=KEY).create_lora_training_client(
-            base_model=TINY_BASE, rank=8, seed=0).result()
+        service = tinker.ServiceClient(base_url=server.base_url, api_key=KEY)
+        service.create_lora_training_client(base_model=TINY_BASE, rank=8, seed=0).result()
+        service.close("success").result(timeout=60)  # no heartbeat thread left behind once the server is killed
         model.close()
         server.kill()
 
