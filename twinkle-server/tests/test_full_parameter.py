@@ -21,6 +21,7 @@ from twinkle_server.testing import (
     TINY_BASE,
     TINY_QWEN,
     ServerProcess,
+    byte_batch,
     quickstart_tokenizer,
     tiny_model_section,
     tiny_server_config,
@@ -33,16 +34,7 @@ pytestmark = [pytest.mark.timeout(300)]
 ALICE, BOB = "tml-alice-full-0001", "tml-bob-full-00001"
 FULL = "team/full-qwen"
 API = "/twinkle/v1"
-TEXTS = ["upper: abc -> ABC", "reverse: abcd -> dcba", "upper: xyz -> XYZ", "lower: QRS -> qrs"]
-
-
-def batch(step: int) -> dict[str, torch.Tensor]:
-    """Two rows of byte-level tokens (the tiny model's tokenizer is bytes), right-padded, every token a label."""
-    rows = [list(TEXTS[(step + i) % len(TEXTS)].encode()) for i in range(2)]
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+batch = byte_batch  # two rows of byte-level tokens, every token a label
 
 
 def set_up(model) -> None:

@@ -12,22 +12,19 @@ import pytest
 import torch
 from twinkle_server.client import TransformersModel
 from twinkle_server.errors import TooManyRequests
-from twinkle_server.testing import TINY_BASE, ServerProcess, tiny_model_section, tiny_server_config
+from twinkle_server.testing import (
+    TINY_BASE,
+    ServerProcess,
+    byte_batch,
+    tiny_model_section,
+    tiny_server_config,
+)
 
 pytestmark = [pytest.mark.timeout(400)]
 
 KEY = "tml-native-durable-01"
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}
-TEXTS = ["upper: abc -> ABC", "reverse: abcd -> dcba", "upper: xyz -> XYZ", "lower: QRS -> qrs"]
-
-
-def batch(step: int) -> dict[str, torch.Tensor]:
-    """Two rows of byte-level tokens (the tiny model's tokenizer is bytes), right-padded, every token a label."""
-    rows = [list(TEXTS[(step + i) % len(TEXTS)].encode()) for i in range(2)]
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+batch = byte_batch  # two rows of byte-level tokens, every token a label
 
 
 def connect(server: ServerProcess) -> TransformersModel:

@@ -172,15 +172,22 @@ def _base_model(entry: Any, index: int, base_dir: Path | None = None) -> BaseMod
                            ray=_ray(entry, index))
 
 
-def _ray(entry: dict[str, Any], index: int) -> RayConfig | None:
-    """``ray: {workers, cpus_per_worker, gpus_per_worker, placement, address}``, checked before anything starts."""
-    raw = entry.get("ray")
+def _sub_mapping(raw: Any, where: str, cls: type, example: str) -> dict[str, Any] | None:
+    """An optional section of a base-model entry: ``None`` when absent, else a mapping of ``cls``'s known keys."""
     if raw is None:
         return None
-    where = f"base_models[{index}].ray"
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where} must be a mapping such as {{workers: 2, cpus_per_worker: 1}}")
-    _known(where, raw, RayConfig)
+        raise ConfigError(f"{where} must be a mapping such as {example}")
+    _known(where, raw, cls)
+    return raw
+
+
+def _ray(entry: dict[str, Any], index: int) -> RayConfig | None:
+    """``ray: {workers, cpus_per_worker, gpus_per_worker, placement, address}``, checked before anything starts."""
+    where = f"base_models[{index}].ray"
+    raw = _sub_mapping(entry.get("ray"), where, RayConfig, "{workers: 2, cpus_per_worker: 1}")
+    if raw is None:
+        return None
     if entry.get("full_parameter") is not None:
         raise ConfigError(f"base_models[{index}] ({entry['name']}): full_parameter runs in the server's process; "
                           f"remove ray, or remove full_parameter to host LoRA adapters on a worker group")
@@ -206,13 +213,11 @@ def _ray(entry: dict[str, Any], index: int) -> RayConfig | None:
 
 def _full_parameter(entry: dict[str, Any], index: int) -> FullParameterConfig | None:
     """``full_parameter: {owner: <tenant>}`` (the owner is checked against the tenants by :func:`server_config`)."""
-    raw = entry.get("full_parameter")
+    where = f"base_models[{index}].full_parameter"
+    raw = _sub_mapping(entry.get("full_parameter"), where, FullParameterConfig,
+                       "{owner: alice} (the one tenant who trains it)")
     if raw is None:
         return None
-    where = f"base_models[{index}].full_parameter"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where} must be a mapping such as {{owner: alice}} (the one tenant who trains it)")
-    _known(where, raw, FullParameterConfig)
     lora_only = sorted({"max_lora_rank", "max_adapters"} & set(entry))
     if lora_only:
         raise ConfigError(f"base_models[{index}] ({entry['name']}): full_parameter hosts the model for one tenant's "

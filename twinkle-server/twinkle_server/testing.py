@@ -29,6 +29,22 @@ TINY_QWEN: dict[str, Any] = {
 TINY_BASE = "twinkle/tiny-qwen2"
 
 
+#: short chats of the quickstart's kind, as the tests' training texts
+BYTE_TEXTS = ("upper: abc -> ABC", "reverse: abcd -> dcba", "upper: xyz -> XYZ", "lower: QRS -> qrs")
+
+
+def byte_batch(step: int) -> dict[str, Any]:
+    """Two rows of :data:`BYTE_TEXTS` (from ``step`` on) as byte-level tokens (the tiny model's tokenizer is bytes),
+    right-padded, every token a label: a native-API training batch."""
+    import torch
+
+    rows = [list(BYTE_TEXTS[(step + i) % len(BYTE_TEXTS)].encode()) for i in range(2)]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
 def quickstart_tokenizer() -> str:
     return str(Path(__file__).resolve().parents[2] / "examples" / "quickstart" / "tokenizer")
 
