@@ -126,7 +126,9 @@ def test_lanes_run_in_parallel(scheduler):
 
 def test_finished_results_are_kept_within_the_bounds(scheduler):
     scheduler.max_kept_per_tenant = 2
-    ids = [scheduler.submit("a", "step", lambda i=i: i) for i in range(4)]
+    gate = threading.Event()  # nothing finishes before all four are submitted, so no submit forgets one of them
+    ids = [scheduler.submit("a", "step", lambda i=i: (gate.wait(10), i)[1]) for i in range(4)]
+    gate.set()
     for request_id in ids:
         scheduler.result("a", request_id, timeout_s=10)
     latest = scheduler.submit("a", "step", lambda: "last")  # submitting forgets what is beyond the bound
