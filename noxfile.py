@@ -138,6 +138,13 @@ def slow(session: nox.Session) -> None:
 
 
 @nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site: its test builds it with mkdocs build --strict (into a temporary directory) and
+    loads it in headless chromium. ``mkdocs serve`` shows it while you write."""
+    _pytest(session, "tests/test_docs_site.py")
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """The README's main job: the quickstart training run."""
     _bootstrap(session)

@@ -67,7 +67,7 @@ def test_the_core_registers_its_commands_like_any_plugin(registry):
     plugins = registry()
     commands = plugins.records("command")
     assert {name: entry.plugin.name for name, entry in commands.items()} == {
-        "plugins": "twinkle-core", "train": "twinkle-core", "plot": "twinkle-core"}
+        "plugins": "twinkle-core", "train": "twinkle-core", "plot": "twinkle-core", "data": "twinkle-core"}
     for entry in commands.values():
         assert issubclass(plugins.load_record("command", entry.record), Command)
 
@@ -77,7 +77,7 @@ def test_hf_backend_registers_chat_export_eval():
     from twinkle_backend_hf import plugin
 
     records = {r.name: r for r in plugin.twinkle_register_commands()}
-    assert sorted(records) == ["chat", "eval", "export"]
+    assert sorted(records) == ["chat", "eval", "export", "serve-model"]
     for record in records.values():
         assert issubclass(record.load(), Command)
 

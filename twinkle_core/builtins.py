@@ -118,6 +118,8 @@ def twinkle_register_commands():
     yield CommandRecord("train", "twinkle_core.commands.train:TrainCommand", "train from a YAML recipe")
     yield CommandRecord("plot", "twinkle_core.commands.plot:PlotCommand",
                         "draw a run's loss curves (logs.jsonl) as a PNG")
+    yield CommandRecord("data", "twinkle_core.commands.data:DataCommand",
+                        "preview a recipe's samples and trained tokens")
 
 
 @hookimpl

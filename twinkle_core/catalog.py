@@ -27,6 +27,7 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("command", "chat"): _HF,
     ("command", "export"): _HF,
     ("command", "eval"): _HF,
+    ("command", "serve-model"): _HF,
     ("task", "embedding"): "twinkle-embedding",
     ("loss", "infonce"): "twinkle-embedding",
     ("task", "vlm"): "twinkle-vlm",

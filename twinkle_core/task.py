@@ -39,8 +39,9 @@ class Task(ABC):
 
     name: ClassVar[str] = ""
     default_loss: ClassVar[str] = ""
-    #: what kind of network the backend should build: "causal_lm", "encoder" (hidden states), or "token_value"
-    #: (one scalar per token: a PPO critic's value head, ``outputs["logits"]`` of shape ``[B, T, 1]``)
+    #: what kind of network the backend should build: "causal_lm", "encoder" (hidden states), "token_value"
+    #: (one scalar per token: a PPO critic's value head, ``outputs["logits"]`` of shape ``[B, T, 1]``) or
+    #: "sequence_score" (one scalar per row at its last non-pad token: a reward model, ``logits`` ``[B, 1]``)
     model_kind: ClassVar[str] = "causal_lm"
     #: whether ``process_outputs`` reads ``outputs["logits"]`` in training; a task that does not (it passes them
     #: through) lets a loss that applies the LM head itself skip the logits (``Loss.fuses_lm_head``)
@@ -55,7 +56,14 @@ class Task(ABC):
     has_eval_loss: ClassVar[bool] = True
     #: logged values drawn in ``output_dir/curves.png`` besides the loss (with their ``eval_`` counterparts)
     curve_keys: ClassVar[tuple[str, ...]] = ()
-    #: logged values (from :meth:`step_metrics`) the console's step line shows after the loss, when present
+    #: the task's headline metrics: keys of the ``train`` log line (from :meth:`step_metrics` or the loss's own
+    #: metrics) that the console's step line and the progress bar show after the loss, in this order, when the line
+    #: has them as numbers; every other value stays in ``logs.jsonl`` only. The core's
+    #: :class:`~twinkle_core.train.step_log.StepReporter` applies it the same for every task. E.g. a DPO task::
+    #:
+    #:     console_keys = ("rewards/accuracies", "rewards/margins")
+    #:
+    #: gives ``step 10/120 loss 0.61 lr 0.0005 grad_norm 2.1 tokens/s 5120.4 rewards/accuracies 0.75 ...``
     console_keys: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **options: Any) -> None:

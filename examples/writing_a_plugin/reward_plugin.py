@@ -9,7 +9,7 @@ public names of twinkle-core only, and registers like every other plugin:
     [project.entry-points.twinkle]
     reward = "reward_plugin"
 
-Then ``twinkle train`` takes ``task: pairwise_reward`` (the loss defaults to ``bradley_terry``); a backend that
+Then ``twinkle train`` takes ``task: pairwise_reward`` (the loss defaults to ``pairwise_logistic``); a backend that
 does not declare the ``token_value`` kind refuses the task before building anything.
 """
 
@@ -31,7 +31,7 @@ class PairwiseRewardTask(Task):
     rejected ones."""
 
     name = "pairwise_reward"
-    default_loss = "bradley_terry"
+    default_loss = "pairwise_logistic"
     model_kind = "token_value"  # a scalar head on every token; the backend builds it
 
     def load_dataset(self, path, tokenizer, **data_options):
@@ -65,10 +65,10 @@ class PairwiseRewardTask(Task):
         return {"pair_accuracy": float((scores[:pairs] > scores[pairs:]).float().mean())}
 
 
-class BradleyTerryLoss(Loss):
+class PairwiseLogisticLoss(Loss):
     """``-log sigmoid(s_chosen - s_rejected)``, summed over the pairs of the micro-batch."""
 
-    name = "bradley_terry"
+    name = "pairwise_logistic"
 
     def __call__(self, outputs, inputs, context=None):
         chosen, rejected = outputs["scores"].float().chunk(2)
@@ -84,4 +84,4 @@ def twinkle_register_tasks():
 
 @hookimpl
 def twinkle_register_losses():
-    yield LossRecord("bradley_terry", "reward_plugin:BradleyTerryLoss")
+    yield LossRecord("pairwise_logistic", "reward_plugin:PairwiseLogisticLoss")

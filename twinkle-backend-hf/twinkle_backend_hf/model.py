@@ -5,8 +5,9 @@ it, else ``eager``); ``"flash_attention_2"`` where flash-attn is installed and t
 
 Built from ``model_id`` (any source the core resolves: ``ms://``, ``hf://``, a local path) or from a
 ``transformers`` config (random init). Full fine-tuning, or PEFT adapters via
-``add_adapter_to_model``. ``tokenizer``: a tokenizer object, or a local directory / ``hf://`` / ``ms://`` id to
-load one from; without it, ``model.tokenizer`` is the model directory's own tokenizer where it has one (``None``
+``add_adapter_to_model``; QLoRA with ``quantization={"bits": 4}`` (aliases ``load_in_4bit`` / ``load_in_8bit`` /
+``quantization_bit``; see :mod:`twinkle_backend_hf.quantization`). ``tokenizer``: a tokenizer object, or a local
+directory / ``hf://`` / ``ms://`` id to load one from; without it, ``model.tokenizer`` is the model directory's own tokenizer where it has one (``None``
 for a model built from a config alone). ``save()`` writes what ``AutoModelForCausalLM.from_pretrained`` (full
 weights, safetensors) or ``peft.PeftModel.from_pretrained`` (adapters) loads directly.
 """
@@ -17,20 +18,26 @@ import contextlib
 import copy
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from twinkle_backend_hf import adapters, compat, lora_targets, model_dir
+from twinkle_backend_hf import quantization as qlora
+from twinkle_backend_hf.generation_config import write_end_of_turn_generation_config
 from twinkle_core.errors import ConfigError
+from twinkle_core.model.adapter_states import FULL_MODEL
 from twinkle_core.model.torch_model import TorchTwinkleModel
 from twinkle_core.sources import resolve
 
-#: the transformers auto class behind each ``Task.model_kind``; a ``token_value`` network has one label
+#: the transformers auto class behind each ``Task.model_kind``
 _AUTO_CLASSES = {"causal_lm": "AutoModelForCausalLM", "encoder": "AutoModel",
                  "token_value": "AutoModelForTokenClassification",
+                 "sequence_score": "AutoModelForSequenceClassification",
                  "image_text_to_text": "AutoModelForImageTextToText"}
+#: kinds whose network has one label: a value per token, or a score per sequence (read at its last non-pad token)
+_SCALAR_HEAD_KINDS = frozenset({"token_value", "sequence_score"})
 #: model kinds whose forward takes ``use_cache`` (training never wants a KV cache)
 _GENERATIVE_KINDS = frozenset({"causal_lm", "image_text_to_text"})
 
@@ -51,10 +58,17 @@ class TransformersModel(TorchTwinkleModel):
     def __init__(self, *, model_id: str | None = None, config: Any = None, revision: str | None = None,
                  trust_remote_code: bool | None = None, attn_implementation: str | None = None,
                  gradient_checkpointing: bool = False, auto_class: str | None = None,
-                 model_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+                 model_kwargs: dict[str, Any] | None = None, quantization: Any = None, load_in_4bit: bool = False,
+                 load_in_8bit: bool = False, quantization_bit: int | None = None, **kwargs: Any) -> None:
         if model_id is None and config is None:
             raise ConfigError("TransformersModel needs model_id= (a path, hf:// or ms:// id) or config= "
                               "(a transformers config or a dict with model_type)")
+        #: QLoRA: the base is loaded quantised by bitsandbytes (None: full precision)
+        self.quantization = qlora.settings_from_options(
+            quantization, load_in_4bit=load_in_4bit, load_in_8bit=load_in_8bit, quantization_bit=quantization_bit)
+        if self.quantization is not None:
+            qlora.check_source(model_id)
+            qlora.check_model_kwargs(model_kwargs or {})
         self.model_id, self.config_spec, self.revision = model_id, config, revision
         self.trust_remote_code = resolve.trust_remote_code(trust_remote_code)
         self.attn_implementation = attn_implementation
@@ -75,6 +89,16 @@ class TransformersModel(TorchTwinkleModel):
     @classmethod
     def check_adapter_config(cls, config: Any) -> None:
         adapters.to_peft_config(config)  # builds a peft.LoraConfig only: no network
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        super().check_options(options)
+        qlora.check_model_options(options)
+
+    def set_optimizer(self, optimizer: Any, *, adapter_name: str | None = None, **kwargs: Any) -> None:
+        if qlora.is_quantized(self.hf_model) and self.adapter_states.resolve(adapter_name) == FULL_MODEL:
+            raise ConfigError(qlora.FULL_FINE_TUNING_REFUSAL)
+        super().set_optimizer(optimizer, adapter_name=adapter_name, **kwargs)
 
     @classmethod
     def load_tokenizer(cls, path: str, *, trust_remote_code: bool = False) -> Any:
@@ -133,7 +157,8 @@ class TransformersModel(TorchTwinkleModel):
         common: dict[str, Any] = {"trust_remote_code": self.trust_remote_code, **self.model_kwargs}
         if self.attn_implementation:
             common["attn_implementation"] = self.attn_implementation
-        value_head = getattr(self.task, "model_kind", None) == "token_value"
+        kind = getattr(self.task, "model_kind", None)
+        value_head = kind in _SCALAR_HEAD_KINDS
         if self.model_id is not None:
             from twinkle_core.sources.resolve import resolve_model
 
@@ -146,8 +171,14 @@ class TransformersModel(TorchTwinkleModel):
             elif value_head:
                 extra["config"] = copy.deepcopy(extra["config"])  # never the caller's config object
                 extra["config"].num_labels = 1
+            if self.quantization is not None:  # QLoRA: the base's linear layers load as bitsandbytes layers
+                qlora.check_strategy(self.strategy, self.precision)
+                qlora.check_device(self.device, self.quantization.bits, self.quantization.quant_type)
+                extra.update(qlora.load_kwargs(self.quantization, self.device))
             with resolve.explain_remote_code_refusal(f"the model {self.model_id!r}"), self._explain_attention():
                 module = auto.from_pretrained(self.model_path, dtype=torch.float32, **extra, **common)
+            if self.quantization is not None:
+                module = qlora.prepare_for_training(module)
         else:
             config = self._hf_config()
             if value_head:
@@ -161,7 +192,22 @@ class TransformersModel(TorchTwinkleModel):
                 module.enable_input_require_grads()
         if getattr(module.config, "use_cache", None):
             module.config.use_cache = False
+        if kind == "sequence_score":
+            self._name_score_padding(module.config)
         return module
+
+    def _name_score_padding(self, config: Any) -> None:
+        """A sequence score is read at each row's last token that is not padding, so the network must know the
+        pad token: the config's, else the tokenizer's pad (or EOS) token. Set on the built network's config, as
+        TRL's reward trainer does, so the embedding's trained rows stay as the checkpoint has them. Without one,
+        a batch of more than one row is refused at its forward (:meth:`run_network`)."""
+        if getattr(config, "pad_token_id", None) is not None:
+            return
+        tokenizer = getattr(self, "tokenizer", None)
+        if tokenizer is None and self.model_path is not None and model_dir.holds_tokenizer_file(self.model_path):
+            tokenizer = self.load_tokenizer(self.model_path, trust_remote_code=self.trust_remote_code)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        config.pad_token_id = pad if pad is not None else getattr(tokenizer, "eos_token_id", None)
 
     def export_config(self) -> Any:
         return self.hf_model.config
@@ -189,6 +235,11 @@ class TransformersModel(TorchTwinkleModel):
         kwargs = dict(inputs)  # the core hands over network_input_keys only (the task's model_inputs included)
         if getattr(self.task, "model_kind", "causal_lm") in _GENERATIVE_KINDS:
             kwargs["use_cache"] = False
+        if (getattr(self.task, "model_kind", None) == "sequence_score" and self.hf_model.config.pad_token_id is None
+                and kwargs["input_ids"].shape[0] > 1):
+            raise ConfigError("a sequence-score network (e.g. the reward_model task) reads each row's score at its "
+                              "last non-padding token, but neither the model config nor the tokenizer names a pad "
+                              "token; set model.config.pad_token_id or give a tokenizer with a pad or EOS token")
         out = module(**kwargs)
         return {k: v for k, v in out.items() if v is not None}
 
@@ -229,6 +280,8 @@ class TransformersModel(TorchTwinkleModel):
             compat.unwrap_without_importing_deepspeed()  # no DeepSpeed import (4.5 s, a warning) without DeepSpeed
             self.hf_model.save_pretrained(directory, state_dict={k: v.detach().cpu() for k, v in state_dict.items()},
                                           safe_serialization=True)
+            # generate() on the saved model stops at the chat template's end of turn, not only at EOS
+            write_end_of_turn_generation_config(directory, self.hf_model, self.tokenizer)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(directory)
             _warn_if_tokenizer_changes_on_reload(self.tokenizer, directory, trust_remote_code=self.trust_remote_code)
@@ -276,7 +329,8 @@ class TransformersModel(TorchTwinkleModel):
                 "vocab_size": config.get_text_config().vocab_size,  # a VLM's sits in its text config
                 "attn_implementation": self.attn_implementation,
                 "gradient_checkpointing": self.gradient_checkpointing,
-                "trust_remote_code": self.trust_remote_code}
+                "trust_remote_code": self.trust_remote_code,
+                "quantization": self.quantization.describe() if self.quantization is not None else None}
 
 
 

@@ -45,6 +45,8 @@ def twinkle_register_commands():
                         "to the Hub")
     yield CommandRecord("eval", f"{_PKG}.commands.evaluate:EvalCommand",
                         "loss / perplexity / exact match on a data set (and lm-eval tasks with --tasks)")
+    yield CommandRecord("serve-model", f"{_PKG}.commands.serve_model:ServeModelCommand",
+                        "serve a checkpoint over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)")
 
 
 @hookimpl

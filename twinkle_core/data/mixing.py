@@ -178,15 +178,22 @@ def _largest_remainder(total: int, weights: Sequence[float]) -> list[int]:
     return counts
 
 
+def mixed_rows(sizes: Sequence[int], weights: Sequence[float] | None) -> list[int]:
+    """How many rows the mixture takes from each source of ``sizes`` rows (see the module doc): every row once
+    without ``weights``, else the largest-remainder shares of their total. :func:`mix` draws exactly these."""
+    if weights is None:
+        return list(sizes)
+    return _largest_remainder(sum(sizes), weights)
+
+
 def mix(groups: Sequence[Sequence[Any]], weights: Sequence[float] | None, seed: int) -> list[Any]:
     """Concatenate ``groups`` (``weights`` None) or mix them by ``weights`` (see the module doc)."""
     if weights is None:
         return [item for group in groups for item in group]
     import numpy as np
 
-    total = sum(len(g) for g in groups)
     out: list[Any] = []
-    for i, (group, k) in enumerate(zip(groups, _largest_remainder(total, weights), strict=True)):
+    for i, (group, k) in enumerate(zip(groups, mixed_rows([len(g) for g in groups], weights), strict=True)):
         n = len(group)
         copies, rest = divmod(k, n)
         out.extend(list(group) * copies)
@@ -220,5 +227,59 @@ def load_spec(spec: Any, *, columns: Mapping[str, str] | None = None, seed: int 
     return mix(groups, weights, seed)
 
 
-__all__ = ["ROLE_TARGETS", "ROW_TARGETS", "DataSource", "Record", "check_columns", "is_data_spec", "load_spec",
-           "map_columns", "mix", "parse_sources"]
+@dataclass(frozen=True)
+class SourceCount:
+    """One source of a mixture: its name (as the spec gives it), the rows it holds, the rows the mixture takes
+    from it (repeated or subsampled by weight) and its weight (None: concatenated)."""
+
+    name: str
+    file_rows: int
+    rows: int
+    weight: float | None
+
+
+@dataclass(frozen=True)
+class MixtureCounts:
+    """The per-source row counts of a data spec's mixture (:func:`count_mixture`)."""
+
+    sources: tuple[SourceCount, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.sources)
+
+    def describe(self) -> str:
+        """One line: ``3 sources, 1,200 rows: a.jsonl 800 (weight 2), b.jsonl 400 (weight 1)``."""
+        labels = short_names([s.name for s in self.sources])
+        parts = [f"{label} {s.rows:,}" + (f" (weight {s.weight:g})" if s.weight is not None else "")
+                 for label, s in zip(labels, self.sources, strict=True)]
+        return f"{len(self.sources)} sources, {self.rows:,} rows: {', '.join(parts)}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """For a run's summary and log: ``{"rows": N, "sources": [{name, file_rows, rows, weight}, ...]}``."""
+        return {"rows": self.rows, "sources": [{"name": s.name, "file_rows": s.file_rows, "rows": s.rows,
+                                                "weight": s.weight} for s in self.sources]}
+
+
+def short_names(names: Sequence[str]) -> list[str]:
+    """The file names of ``names`` where they tell the sources apart, else the names as given."""
+    short = [os.path.basename(n.rstrip("/")) or n if "://" not in n else n for n in names]
+    return short if len(set(short)) == len(short) else list(names)
+
+
+def count_mixture(spec: Any, *, where: str = "data.train") -> MixtureCounts:
+    """The per-source counts of the mixture ``load_spec(spec)`` makes, from the sources' row counts alone (the
+    counts do not depend on the seed, only which rows are drawn). Reads every source once more: call it where
+    that costs little next to tokenising them (before training, once)."""
+    from twinkle_core.data.loading import load_records
+
+    sources = parse_sources(spec, where=where)
+    sizes = [len(load_records(s.path, validate=None, split=s.split)) for s in sources]
+    weights = [s.weight for s in sources] if sources[0].weight is not None else None
+    taken = mixed_rows(sizes, weights)
+    return MixtureCounts(tuple(SourceCount(s.name, n, k, s.weight)
+                               for s, n, k in zip(sources, sizes, taken, strict=True)))
+
+
+__all__ = ["ROLE_TARGETS", "ROW_TARGETS", "DataSource", "MixtureCounts", "Record", "SourceCount", "check_columns",
+           "count_mixture", "is_data_spec", "load_spec", "map_columns", "mix", "mixed_rows", "parse_sources"]

@@ -9,6 +9,8 @@ that kind with ``ConfigError`` before building anything:
 * ``causal_lm``: ``logits`` of shape ``[B, T, V]``;
 * ``token_value``: one value per token, ``logits`` of shape ``[B, T, 1]``, that trains (a PPO critic, a reward
   model);
+* ``sequence_score``: one score per sequence, ``logits`` of shape ``[B, 1]`` read at each row's last token that is
+  not padding, that trains (a Bradley–Terry reward model);
 * ``encoder``: the final hidden states, ``last_hidden_state`` of shape ``[B, T, H]`` (an embedding model).
 """
 
@@ -21,7 +23,7 @@ import pytest
 from twinkle_core.testing.conformance_data import CONFORMANCE_VOCAB_SIZE, local_rows, make_batch
 
 #: the kinds every target is checked on
-MODEL_KINDS = ("causal_lm", "token_value", "encoder")
+MODEL_KINDS = ("causal_lm", "token_value", "sequence_score", "encoder")
 
 
 def kind_task(kind: str) -> Any:
@@ -109,6 +111,30 @@ class TaskContract:
         after = model.forward_only(inputs=batch)["logits"]
         assert torch.isfinite(after).all()
         assert float(_value_loss({"logits": after}, batch).loss) < before, "the value head must train"
+
+    def _check_sequence_score(self, model: Any) -> None:
+        import torch
+
+        from twinkle_core.loss.base import LossOutput
+
+        # one row per rank: a network that reads the score at the last non-pad token needs no pad token for it
+        batch = local_rows(model, make_batch(53, rows=model.get_train_configs()["dp_size"]))
+
+        def score_loss(outputs: dict[str, Any], inputs: dict[str, Any]) -> Any:
+            return LossOutput(loss=((outputs["logits"].squeeze(-1).float() - 1.0) ** 2).sum(),
+                              num_tokens=outputs["logits"].shape[0])
+
+        scores = model.forward_only(inputs=batch)["logits"]
+        assert tuple(scores.shape) == (batch["input_ids"].shape[0], 1), "a sequence_score network has one output a row"
+        model.set_loss(score_loss)
+        model.set_optimizer("AdamW", lr=1e-2)
+        before = float(score_loss({"logits": scores}, batch).loss)
+        for _ in range(3):
+            model.forward_backward(inputs=batch)
+            model.clip_grad_and_step()
+        after = model.forward_only(inputs=batch)["logits"]
+        assert torch.isfinite(after).all()
+        assert float(score_loss({"logits": after}, batch).loss) < before, "the score head must train"
 
     def _check_encoder(self, model: Any) -> None:
         batch = local_rows(model, make_batch(52))

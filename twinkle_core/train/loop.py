@@ -142,6 +142,8 @@ class RunOutcome:
     train_metrics: dict[str, Any] = field(default_factory=dict)
     eval_before: dict[str, float] | None = None
     eval_after: dict[str, float] | None = None
+    #: the per-source row counts of a mixture of several ``data.train`` sources (main process)
+    data_mixture: dict[str, Any] | None = None
     final_checkpoint: str | None = None
 
 
@@ -325,9 +327,11 @@ class Trainer:
     def _train(self, reporter: StepReporter, stop: StopSignals, outcome: RunOutcome) -> None:
         """Evaluate before (when asked), train every step, evaluate after and save ``final``."""
         run, t = self.plan, self.recipe.train
+        with self.startup_timer.phase("data"):  # reads the sources' row counts once more
+            outcome.data_mixture = reporter.log_mixture()
         if t.eval_before_training and run.evaluates and self.step == 0:
             with self.startup_timer.phase("eval_before"):
-                outcome.eval_before = reporter.log_eval(self.step, self.evaluator.evaluate(), console=False)
+                outcome.eval_before = reporter.log_eval(self.step, self.evaluator.evaluate(), before_training=True)
         window = StepWindow()
         first_step = time.perf_counter(), time.process_time()
         while self.step < run.total_steps:
@@ -429,6 +433,7 @@ class Trainer:
             "train_metrics": outcome.train_metrics,
             "eval_before": outcome.eval_before,
             "eval_after": outcome.eval_after,
+            "data_mixture": outcome.data_mixture,
             "final_checkpoint": outcome.final_checkpoint,
             "checkpoints": list(self.checkpointer.checkpoints),
             "wall_time_s": round(time.time() - started, 3),

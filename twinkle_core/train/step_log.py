@@ -1,5 +1,7 @@
 """What the loop reports as it trains: the per-step log line (loss, learning rate, gradient norm,
-tokens/s), evaluation results on the console, the progress bar, and the start-up timing of the first step.
+tokens/s, then the task's headline metrics, ``Task.console_keys``), evaluation results on the console (the
+evaluation before training too), the per-source row counts of a mixture of several ``data.train`` sources, the
+progress bar, and the start-up timing of the first step.
 
 :class:`StepReporter` does it for one :class:`~twinkle_core.train.build.TrainingRun`; the lines themselves are
 written by :class:`twinkle_core.train.logging.TrainLogger`. :class:`StepWindow` gathers what the steps between
@@ -40,6 +42,14 @@ class StepWindow:
     #: evaluating and saving: not training time for tokens/s
     paused: float = 0.0
     started: float = field(default_factory=time.time)
+
+
+def format_metric(value: Any) -> Any:
+    """A metric for a sentence: two decimals in ``[0.01, 1000)`` (``0.25``, ``5.43``), else four significant
+    digits (``1.2e-05``); anything not a finite float unchanged."""
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.2f}" if value == 0 or 0.01 <= abs(value) < 1000 else f"{value:.4g}"
+    return value
 
 
 def startup_report(timer: StartupTimer, first_step: tuple[float, float], *, is_main: bool) -> dict[str, Any]:
@@ -93,24 +103,51 @@ class StepReporter:
             self._show(step, values)
         return record
 
+    def headline(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The task's headline metrics (``Task.console_keys``) among ``values``: the numbers the step line and the
+        progress bar show after the loss, in the order the task names them."""
+        return {key: rounded(values[key], 4) for key in self.run.task.console_keys
+                if isinstance(values.get(key), (int, float)) and not isinstance(values.get(key), bool)}
+
     def _show(self, step: int, values: dict[str, Any]) -> None:
+        headline = self.headline(values)
         if self.show_bar:
-            self.bar.set_postfix(loss=values["loss"], lr=values["lr"], refresh=False)
+            self.bar.set_postfix({"loss": values["loss"], "lr": values["lr"], **headline}, refresh=False)
             return
         lr, grad_norm = values["lr"], values["grad_norm"]
-        extra = "".join(f" {key} {rounded(values[key], 4)}" for key in self.run.task.console_keys if key in values
-                        and isinstance(values[key], (int, float)))
+        extra = "".join(f" {key} {value}" for key, value in headline.items())
         logger.info("step %d/%d loss %s lr %s grad_norm %s tokens/s %s%s", step, self.run.total_steps, values["loss"],
                     rounded(lr, 3) if lr is not None else None, rounded(grad_norm, 4) if grad_norm is not None else None,
                     values["tokens_per_s"], extra)
 
-    def log_eval(self, step: int, metrics: dict[str, float], *, console: bool = True) -> dict[str, float]:
-        """The ``eval`` log line of ``step`` (and, with ``console``, the console line)."""
-        if console and self.is_main:
-            text = " ".join(f"{k} {rounded(v, 4)}" for k, v in metrics.items())
-            logger.info("step %d/%d eval: %s", step, self.run.total_steps, text)
+    def log_eval(self, step: int, metrics: dict[str, float], *, before_training: bool = False) -> dict[str, float]:
+        """The ``eval`` log line of ``step`` and its console line (main process): ``step 20/100 eval: ...``, or
+        ``eval before training: exact_match 0.00, loss 5.43`` for the evaluation before the first step."""
+        if self.is_main:
+            if before_training:
+                text = ", ".join(f"{k.removeprefix('eval_')} {format_metric(v)}" for k, v in metrics.items())
+                logger.info("eval before training: %s", text or "no metrics")
+            else:
+                text = " ".join(f"{k} {rounded(v, 4)}" for k, v in metrics.items())
+                logger.info("step %d/%d eval: %s", step, self.run.total_steps, text)
         self.log.log("eval", step, metrics)
         return metrics
+
+    def log_mixture(self) -> dict[str, Any] | None:
+        """When ``data.train`` lists several sources (and is not streamed): log their row counts in the mixture
+        once (``data: 3 sources, 1,200 rows: a.jsonl 800 (weight 2), ...``) and write them to ``logs.jsonl`` as a
+        ``data`` line (``{"event": "data", "step": 0, "mixture": {...}}``); returns them for the run's summary.
+        Main process only (other ranks: None)."""
+        data = self.run.recipe.data
+        if not self.is_main or data.streaming or not isinstance(data.train, (list, tuple)) or len(data.train) < 2:
+            return None
+        from twinkle_core.data.mixing import count_mixture
+
+        counts = count_mixture(data.train)
+        logger.info("data: %s", counts.describe())
+        summary = counts.as_dict()
+        self.log.log("data", 0, {"mixture": summary})  # nested: no top-level value for plots to pick up
+        return summary
 
     def failed(self, exc: BaseException) -> None:
         """Training stopped on ``exc``: the bar goes, the trackers finish the run as failed / interrupted."""

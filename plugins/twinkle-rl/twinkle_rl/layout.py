@@ -10,6 +10,8 @@ the batch carries
   sequence ``0 .. S-1`` each token belongs to, ``-1`` for padding. Without it, sequence ``s`` is row ``s``;
 * optionally ``ref_logps`` ``[S]`` float: the reference model's summed log-probability of each
   sequence's answer tokens (see :mod:`twinkle_rl.reference`).
+* optionally ``margin`` ``[S]`` float: the row's margin (its ``margin`` column), the same on both sequences of a
+  pair (a reward model's margin loss, :mod:`twinkle_rl.losses.bradley_terry`).
 
 The task orders sequences pair by pair (chosen, then rejected), so a batch split at an even row keeps
 every pair whole; :func:`pairs` still checks that each pair is complete, so a split inside a pair is an

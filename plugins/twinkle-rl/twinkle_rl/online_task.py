@@ -137,9 +137,11 @@ class OnlineRLTask(Task):
     provides: ClassVar[frozenset[str]] = frozenset({"advantages", "old_logps", "ref_logps"})
     has_eval_loss: ClassVar[bool] = False
     curve_keys: ClassVar[tuple[str, ...]] = ("reward_mean", "accuracy", "completion_length_mean")
-    #: the step line: how the rollouts score, how stale they are (one step off), and where the time went
-    console_keys: ClassVar[tuple[str, ...]] = ("reward_mean", "policy_lag", "generation_time_s", "reward_time_s",
-                                               "weight_sync_time_s", "rollout_wait_s")
+    #: the step line: how the rollouts score (``accuracy``: the reward marked as one), how stale they are (one step
+    #: off), and where the time went
+    console_keys: ClassVar[tuple[str, ...]] = ("reward_mean", "reward_std", "accuracy", "policy_lag",
+                                               "generation_time_s", "reward_time_s", "weight_sync_time_s",
+                                               "rollout_wait_s")
     #: ``num_generations`` when the recipe does not set it
     default_num_generations: ClassVar[int] = 8
 

@@ -34,6 +34,8 @@ class PreferenceFeature:
     rejected_labels: list[int]
     line: int = 0
     ref_logps: tuple[float, float] | None = None
+    #: the row's margin (how much better the chosen answer is), for a reward model's margin loss
+    margin: float | None = None
 
     @property
     def longest(self) -> int:
@@ -91,7 +93,7 @@ def encode_pair(template: Template, row: PreferenceRow) -> PreferenceFeature:
     rejected = _encode_answer(template, row, prompt_text, row.rejected)
     return PreferenceFeature(prompt_ids=_tokenize(template.tokenizer, prompt_text), chosen_ids=chosen[0],
                              chosen_labels=chosen[1], rejected_ids=rejected[0], rejected_labels=rejected[1],
-                             line=row.line)
+                             line=row.line, margin=row.margin)
 
 
 def truncate_pair(feature: PreferenceFeature, max_length: int) -> PreferenceFeature:
@@ -148,6 +150,17 @@ def collate_pairs(features: list[PreferenceFeature], pad_token_id: int, *, packi
         batch = collate_causal_lm(sequences, pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
     batch["pair_index"] = torch.arange(len(features), dtype=torch.long).repeat_interleave(2)
     batch["is_chosen"] = torch.tensor([True, False] * len(features), dtype=torch.bool)
+    batch.update(pair_values(features))
+    return batch
+
+
+
+def pair_values(features: list[PreferenceFeature]) -> dict[str, Any]:
+    """The optional per-pair values of a batch, one entry per sequence (both of a pair's) so that a batch splits
+    by rows: ``ref_logps`` (precomputed reference log-probs) and ``margin``; each is given for every pair or none."""
+    import torch
+
+    values: dict[str, Any] = {}
     with_reference = [f.ref_logps is not None for f in features]
     if any(with_reference):
         if not all(with_reference):
@@ -157,8 +170,15 @@ def collate_pairs(features: list[PreferenceFeature], pad_token_id: int, *, packi
             if len(feature.ref_logps) != 2:
                 raise ValueError(f"pair of line {feature.line}: ref_logps must be (chosen, rejected), got "
                                  f"{len(feature.ref_logps)} values")
-        batch["ref_logps"] = torch.tensor([v for f in features for v in f.ref_logps], dtype=torch.float32)
-    return batch
+        values["ref_logps"] = torch.tensor([v for f in features for v in f.ref_logps], dtype=torch.float32)
+    with_margin = [f.margin is not None for f in features]
+    if any(with_margin):
+        if not all(with_margin):
+            lines = [f.line for f in features if f.margin is None][:5]
+            raise ValueError(f"some pairs of the batch have a margin and others (lines {lines}) do not; give every "
+                             f"row a margin or none")
+        values["margin"] = torch.tensor([f.margin for f in features], dtype=torch.float32).repeat_interleave(2)
+    return values
 
 
 __all__ = [
@@ -168,5 +188,6 @@ __all__ = [
     "collate_pairs",
     "encode_pair",
     "is_identical",
+    "pair_values",
     "truncate_pair",
 ]

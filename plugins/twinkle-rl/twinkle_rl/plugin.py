@@ -19,6 +19,8 @@ def twinkle_register_tasks():
                      "advantages (GRPO, Dr. GRPO, RLOO, REINFORCE++), clipped policy loss")
     yield TaskRecord("ppo", f"{_PKG}.ppo_task:PPOTask",
                      "online RL with a learned critic (a value head on a sibling model) and GAE advantages")
+    yield TaskRecord("reward_model", f"{_PKG}.reward_model_task:RewardModelTask",
+                     "a Bradley-Terry reward model (one score per sequence) trained on answer pairs")
 
 
 @hookimpl
@@ -32,6 +34,8 @@ def twinkle_register_losses():
     yield LossRecord("gspo", f"{_PKG}.losses.policy:GSPOLoss", "GSPO: sequence-level length-normalised ratio")
     yield LossRecord("ppo", f"{_PKG}.losses.policy:PPOLoss", "PPO clipped policy loss on per-token (GAE) advantages")
     yield LossRecord("ppo_value", f"{_PKG}.losses.value:PPOValueLoss", "PPO clipped value loss for a per-token critic")
+    yield LossRecord("bradley_terry", f"{_PKG}.losses.bradley_terry:BradleyTerryLoss",
+                     "reward model: -log sigmoid(r_chosen - r_rejected - margin), optional reward centring")
 
 
 @hookimpl
@@ -48,5 +52,7 @@ def twinkle_register_rewards():
                        "format reward: 1.0 when a pattern matches (search or fullmatch, DOTALL)")
     yield RewardRecord("numeric_answer", f"{_PKG}.rewards:NumericAnswer",
                        "1.0 when the last \\boxed{} / last number equals the reference number (GSM8K '####' ok)")
+    yield RewardRecord("reward_model", f"{_PKG}.model_reward:RewardModelScore",
+                       "the score of a trained reward model (task: reward_model, or any one-label sequence classifier)")
     yield RewardRecord("length_penalty", f"{_PKG}.rewards:LengthPenalty",
                        "0 within max_length, linearly negative beyond (characters, or tokens from completion_lengths)")

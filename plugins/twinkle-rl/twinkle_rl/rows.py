@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ class PreferenceRow:
     line: int
     #: the row's ``tools`` (function schemas), handed to the chat template as SFT rows do
     tools: Any = None
+    #: the row's ``margin``: how much better the chosen answer is (a reward model's margin loss; TRL's column)
+    margin: float | None = None
 
 
 def _did_you_mean(key: str, row: dict[str, Any]) -> str:
@@ -132,7 +135,12 @@ def parse_row(row: Any, line: int) -> PreferenceRow:
         raise RowError(f"a row must be a JSON object, got {type(row).__name__}")
     prompt = prompt_messages(row)
     chosen, rejected = (_answer_messages(row, key) for key in _ANSWER_KEYS)
-    return PreferenceRow(prompt=prompt, chosen=chosen, rejected=rejected, line=line, tools=row.get("tools"))
+    margin = row.get("margin")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                               or not math.isfinite(margin)):
+        raise RowError(f"'margin' must be a finite number, got {margin!r}")
+    return PreferenceRow(prompt=prompt, chosen=chosen, rejected=rejected, line=line, tools=row.get("tools"),
+                         margin=None if margin is None else float(margin))
 
 
 def read_preference_rows(path: str | os.PathLike[str] | Iterable[Any]) -> tuple[str, list[PreferenceRow], int]:

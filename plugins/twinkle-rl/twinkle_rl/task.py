@@ -29,20 +29,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from twinkle_core.data.formats import RowError
 from twinkle_core.data.template import Template
-from twinkle_core.errors import ConfigError, DataFormatError
+from twinkle_core.errors import ConfigError
 from twinkle_core.model.train_configs import TrainingSetup
 from twinkle_core.task import Task
 from twinkle_rl.checks import optional_integer
 from twinkle_rl.layout import PREFERENCE_PAIRS
+from twinkle_rl.pair_loading import load_pairs, no_chat_template
 from twinkle_rl.pairs import (
     OVER_LENGTH,
     PreferenceFeature,
     collate_pairs,
-    encode_pair,
-    is_identical,
-    truncate_pair,
 )
 from twinkle_rl.precompute import precompute_reference
 from twinkle_rl.reference import (
@@ -53,16 +50,8 @@ from twinkle_rl.reference import (
     reference_logps,
     resolve_auto,
 )
-from twinkle_rl.rows import read_preference_rows
 
 logger = logging.getLogger("twinkle.rl")
-
-
-def _no_chat_template(tokenizer: Any) -> ConfigError:
-    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-    return ConfigError(f"the preference task renders prompts and answers with the tokenizer's chat template, but "
-                       f"the tokenizer {name!r} has none; set model.tokenizer to one that has (e.g. the model's "
-                       f"instruct/chat version)")
 
 
 class PreferenceTask(Task):
@@ -70,6 +59,9 @@ class PreferenceTask(Task):
     default_loss = "dpo"
     model_kind = "causal_lm"
     provides = frozenset({PREFERENCE_PAIRS})
+    #: the step line: how often the chosen answer out-scores the rejected one, and by how much (the DPO-family
+    #: losses' metrics, :mod:`twinkle_rl.losses.base`)
+    console_keys = ("rewards/accuracies", "rewards/margins")
 
     def __init__(self, *, reference: str = "auto", over_length: str = "truncate", max_length: int | None = None,
                  packing: bool = False, pad_to_multiple_of: int | None = None,
@@ -101,50 +93,18 @@ class PreferenceTask(Task):
             raise ConfigError(f"data.mode: the preference task reads chat pairs (mode: chat), got {mode!r}")
         max_length = max_length if max_length is not None else self.options["max_length"]
         over_length = over_length if over_length is not None else self.options["over_length"]
-        if over_length not in OVER_LENGTH:
-            raise ConfigError(f"over_length must be one of {', '.join(OVER_LENGTH)}, got {over_length!r}")
         # at least 2 tokens: a prompt and an answer
         max_length = optional_integer("data.max_length (the preference task)", max_length, low=2)
         if not getattr(tokenizer, "chat_template", None):
-            raise _no_chat_template(tokenizer)
+            raise no_chat_template(tokenizer, "preference")
         template = Template(tokenizer, mode="chat")  # no max_length: pairs are cut together below
         self.template = template
         self.pad_token_id = template.pad_token_id
         self.packing = bool(packing if packing is not None else self.options["packing"])
 
-        source, rows, identical = read_preference_rows(path)
-        features, truncated, skipped, same_tokens = [], 0, 0, 0
-        for row in rows:
-            try:
-                feature = encode_pair(template, row)
-            except RowError as exc:  # TemplateError too: the template cannot locate this row's answers
-                raise DataFormatError(source, row.line, str(exc)) from None
-            if max_length is not None and feature.longest > max_length:
-                if over_length == "skip":
-                    skipped += 1
-                    continue
-                feature = truncate_pair(feature, max_length)
-                truncated += 1
-            if is_identical(feature):  # the answers differ only after the cut (or render to the same tokens)
-                same_tokens += 1
-                continue
-            features.append(feature)
-        if truncated or skipped:
-            logger.warning("%s: %d of %d pairs are longer than max_length=%s: %d truncated (the same cuts on both "
-                           "answers), %d skipped (over_length=%s)", source, truncated + skipped, len(rows),
-                           max_length, truncated, skipped, over_length)
-        if same_tokens:
-            logger.warning("%s: skipped %d pairs whose chosen and rejected answers are the same tokens after "
-                           "max_length=%s truncation (they differ only beyond it); raise data.max_length to keep "
-                           "them", source, same_tokens, max_length)
-        if not features:
-            reason = (f"every pair is longer than max_length={max_length} and over_length=skip drops them all"
-                      if skipped else f"after max_length={max_length} truncation every pair's answers are the same "
-                                      f"tokens")
-            raise DataFormatError(source, None, f"no usable pair: {reason}; raise data.max_length")
-        self.stats = {"pairs": len(features), "truncated": truncated, "skipped_over_length": skipped,
-                      "skipped_identical": identical + same_tokens}
-        return features
+        loaded = load_pairs(path, template, max_length=max_length, over_length=over_length)
+        self.stats = loaded.stats
+        return loaded.features
 
     def collate(self, features: list[Any]) -> dict[str, Any]:
         if self.pad_token_id is None:

@@ -3,7 +3,8 @@
 A full model is re-saved (safetensors, sharded by ``--max-shard-size``) with its tokenizer and without
 Twinkle's bookkeeping files. A PEFT adapter is merged into its base with ``--merge-lora`` (a plain model
 directory that ``AutoModelForCausalLM.from_pretrained`` loads without peft); without it the adapter is
-written as a plain PEFT directory. ``--push-to-hub REPO_ID`` uploads the result with ``huggingface_hub``;
+written as a plain PEFT directory. ``--quantize 4bit|8bit`` writes the (merged) model quantised by bitsandbytes
+(:mod:`twinkle_backend_hf.quantization`; gptq / awq are refused, naming their libraries). ``--push-to-hub REPO_ID`` uploads the result with ``huggingface_hub``;
 it needs a token (``HF_TOKEN`` or the token ``hf auth login`` stored), checked before anything loads.
 
 The checkpoint is verified against its Twinkle marker first (when it has one). The output is written into
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from twinkle_backend_hf.commands.checkpoint_loading import add_checkpoint_arguments
+from twinkle_backend_hf.quantization import EXPORT_METHODS
 from twinkle_core.commands import Command
 from twinkle_core.errors import ConfigError
 
@@ -43,6 +45,9 @@ class ExportCommand(Command):
         parser.add_argument("--push-to-hub", metavar="REPO_ID",
                             help="upload the exported directory to this Hugging Face Hub repository (needs HF_TOKEN)")
         parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
+        parser.add_argument("--quantize", choices=EXPORT_METHODS,
+                            help="write the model quantised: 4bit / 8bit with bitsandbytes (a LoRA adapter is merged "
+                                 "first, with --merge-lora); gptq / awq need a CUDA GPU and their own libraries")
         add_checkpoint_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -68,7 +73,8 @@ def _check_shard_size(value: str) -> None:
         raise ConfigError(f"--max-shard-size {value!r}: write a size such as 2GB, 500MB or 1000000000")
 
 
-def export(ckpt: Any, output: Path, *, merge_lora: bool, max_shard_size: str, dtype: str = "auto") -> Path:
+def export(ckpt: Any, output: Path, *, merge_lora: bool, max_shard_size: str, dtype: str = "auto",
+           quantize: str | None = None) -> Path:
     """Write ``ckpt`` to ``output`` (replacing it whole, atomically) with its ``twinkle_export.json`` marker."""
     from twinkle_backend_hf import compat
     from twinkle_backend_hf.commands.checkpoint_loading import (
@@ -76,18 +82,24 @@ def export(ckpt: Any, output: Path, *, merge_lora: bool, max_shard_size: str, dt
         load_model,
         load_tokenizer,
     )
+    from twinkle_backend_hf.generation_config import write_end_of_turn_generation_config
+    from twinkle_backend_hf.quantization import save_quantized
 
     tokenizer = load_tokenizer(ckpt)
     merge = merge_lora and ckpt.kind == "adapter"
     model = load_model(ckpt, dtype=dtype, device="cpu", merge=merge)
     size: Any = int(max_shard_size) if str(max_shard_size).strip().isdigit() else max_shard_size
     metadata = {"kind": "twinkle-export", "source": str(ckpt.path), "base": ckpt.base,
-                "content": "adapter" if ckpt.kind == "adapter" and not merge else "model"}
+                "content": "adapter" if ckpt.kind == "adapter" and not merge else "model", "quantize": quantize}
     compat.unwrap_without_importing_deepspeed()  # save_pretrained would import DeepSpeed (4.5 s, a warning)
     with atomic_export_directory(output, metadata) as staging:
         if ckpt.kind == "full" or merge:
             model.config.use_cache = True  # training turns the KV cache off; the exported model generates with it
-            model.save_pretrained(str(staging), max_shard_size=size, safe_serialization=True)
+            if quantize:  # bitsandbytes 4bit / 8bit, checked by check_export before anything loaded
+                save_quantized(model, str(staging), quantize, max_shard_size=size)
+            else:
+                model.save_pretrained(str(staging), max_shard_size=size, safe_serialization=True)
+            write_end_of_turn_generation_config(staging, model, tokenizer)  # plain generate() stops at end of turn
         else:
             model.save_pretrained(str(staging), safe_serialization=True)  # a PEFT directory: adapter files only
         tokenizer.save_pretrained(str(staging))
@@ -144,6 +156,7 @@ def push(folder: Path, repo_id: str, token: str, *, private: bool = False) -> st
 
 def export_command(args: argparse.Namespace) -> int:
     from twinkle_backend_hf.commands.checkpoint_loading import resolve_checkpoint, verify_checkpoint_files
+    from twinkle_backend_hf.quantization import check_export
 
     if not args.output and not args.push_to_hub:
         raise ConfigError("twinkle export needs --output DIR (where to write the model) or --push-to-hub REPO_ID")
@@ -155,6 +168,7 @@ def export_command(args: argparse.Namespace) -> int:
             raise ConfigError("--push-to-hub needs a Hugging Face token: set HF_TOKEN (export HF_TOKEN=hf_...) or "
                               "log in once with 'hf auth login'")
     ckpt = resolve_checkpoint(args.checkpoint, args.base, trust_remote_code=args.trust_remote_code)
+    check_export(args.quantize, full_model=ckpt.kind == "full" or args.merge_lora)
     if args.merge_lora and ckpt.kind == "full":
         print(f"twinkle: {ckpt.path} is a full model (no adapter): --merge-lora has nothing to merge", file=sys.stderr)
     if ckpt.kind == "adapter" and not args.merge_lora:
@@ -168,7 +182,8 @@ def export_command(args: argparse.Namespace) -> int:
         output = Path(tmp.name) / "export"
     verify_checkpoint_files(ckpt)  # a damaged file is refused before any of them is loaded
     try:
-        export(ckpt, output, merge_lora=args.merge_lora, max_shard_size=args.max_shard_size, dtype=args.dtype)
+        export(ckpt, output, merge_lora=args.merge_lora, max_shard_size=args.max_shard_size, dtype=args.dtype,
+               quantize=args.quantize)
         if args.output:
             print(f"twinkle: exported {ckpt.path} to {output}")
         if args.push_to_hub:
