@@ -36,6 +36,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "registers the CUDA accelerator under its name 'cuda'",
     ("twinkle_core/builtins.py", "twinkle_select_accelerator"):
         "the core's fallback auto-selection order names its own accelerators ('cuda' before 'cpu')",
+    ("twinkle-backend-hf/twinkle_backend_hf/quantization.py", "check_device"):
+        "bitsandbytes' kernels are CUDA's own; on any other device its torch path is probed before use",
+    ("twinkle-backend-hf/twinkle_backend_hf/quantization.py", "check_export"):
+        "GPTQ / AWQ calibration (gptqmodel, autoawq, llm-compressor) needs a CUDA GPU: refused elsewhere by name",
 }
 
 _DEVICE_LITERAL = re.compile(r"(cuda|nccl)(:\d*)?", re.IGNORECASE)

@@ -105,10 +105,10 @@ def check_model_options(options: Mapping[str, Any]) -> None:
     settings = settings_from_options(**{key: options[key] for key in MODEL_OPTIONS if key in options})
     if settings is None:
         return
-    import torch
+    from twinkle_core.accelerator import current_accelerator
 
     check_model_kwargs(options.get("model_kwargs") or {})
-    check_device("cuda" if torch.cuda.is_available() else "cpu", settings.bits, settings.quant_type)
+    check_device(current_accelerator().device_type, settings.bits, settings.quant_type)
 
 
 def _parse(value: Any) -> QuantizationSettings:
@@ -269,7 +269,7 @@ def check_export(method: str | None, *, full_model: bool) -> None:
     their libraries and the GPU check script), bitsandbytes missing or unable to run here."""
     if method is None:
         return
-    import torch
+    from twinkle_core.accelerator import current_accelerator
 
     if method not in EXPORT_METHODS:
         raise ConfigError(f"--quantize {method!r}: choose one of {', '.join(EXPORT_METHODS)}")
@@ -277,13 +277,13 @@ def check_export(method: str | None, *, full_model: bool) -> None:
         raise ConfigError(f"--quantize {method} quantises a full model; this checkpoint is a LoRA adapter: add "
                           f"--merge-lora (the adapter is merged into its base first, then quantised)")
     if method in GPU_EXPORT_LIBRARIES:
-        if not torch.cuda.is_available():
+        if current_accelerator().device_type != "cuda":
             raise ConfigError(f"--quantize {method} calibrates on a CUDA GPU and this machine has none: run it on a "
                               f"GPU machine with {GPU_EXPORT_LIBRARIES[method]}; {GPU_CHECK_SCRIPT} checks that path")
         raise ConfigError(f"--quantize {method} is not built into twinkle export: quantise the exported model with "
                           f"{GPU_EXPORT_LIBRARIES[method]} (as {GPU_CHECK_SCRIPT} does), or use --quantize 4bit / "
                           f"8bit (bitsandbytes)")
-    check_device("cuda" if torch.cuda.is_available() else "cpu", int(method[0]))
+    check_device(current_accelerator().device_type, int(method[0]))
 
 
 def save_quantized(model: Any, output: str, method: str, *, max_shard_size: Any) -> None:
@@ -293,10 +293,12 @@ def save_quantized(model: Any, output: str, method: str, *, max_shard_size: Any)
     import torch
     from transformers import AutoModelForCausalLM
 
+    from twinkle_core.accelerator import current_accelerator
+
     dtype = next(model.parameters()).dtype
     compute = next((name for name in COMPUTE_DTYPES if getattr(torch, name) == dtype), "float32")
     settings = QuantizationSettings(bits=8) if method == "8bit" else QuantizationSettings(bits=4, compute_dtype=compute)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = current_accelerator().device()
     with tempfile.TemporaryDirectory(prefix="twinkle-quantize-") as full:
         model.save_pretrained(full, safe_serialization=True)
         quantised = AutoModelForCausalLM.from_pretrained(full, dtype=dtype, **load_kwargs(settings, device))

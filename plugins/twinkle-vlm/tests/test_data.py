@@ -113,7 +113,7 @@ def test_every_bad_row_is_reported_with_file_line_and_reason(tmp_path):
          "images": ["good.png"]},                                           # 7: both formats
         {"messages": [_user("?"), _assistant([{"type": "image", "image": "good.png"}])]},    # 8
         {"messages": [_user("<image>?")], "images": ["good.png"]},         # 9: no answer
-        {"messages": [_user([{"type": "video", "video": "v.mp4"}]), _assistant("ok")]},      # 10
+        {"messages": [_user([{"type": "audio", "audio": "a.wav"}]), _assistant("ok")]},      # 10
         one("folder.png"),                                                  # 11
     ]
     path = _jsonl(tmp_path / "train.jsonl", rows)
@@ -129,7 +129,7 @@ def test_every_bad_row_is_reported_with_file_line_and_reason(tmp_path):
     assert "use one of the two formats" in problems[7]
     assert "assistant" in problems[8] and "image" in problems[8]
     assert "last message must be from the assistant" in problems[9]
-    assert "unknown type 'video'" in problems[10]
+    assert "unknown type 'audio'" in problems[10] and "expected 'text', 'image' or 'video'" in problems[10]
     assert "not a file" in problems[11]
     message = str(info.value)
     assert message.startswith("10 problem(s) in the VLM data")

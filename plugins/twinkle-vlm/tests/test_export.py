@@ -44,8 +44,14 @@ def test_full_export_loads_in_plain_transformers_with_equal_logits(model_type, t
     ours = model.forward_only(inputs=inputs)["logits"]
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
 
-    generated = plain.generate(**inputs, max_new_tokens=4, do_sample=False)
+    # a random network may say its end of turn at once (the export's generation_config stops there): 4 new tokens
+    # whatever it says, then the saved stop tokens themselves
+    generated = plain.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert generated.shape[1] == inputs["input_ids"].shape[1] + 4
+    end_of_turn = processor.tokenizer.convert_tokens_to_ids({"qwen2_5_vl": "<|im_end|>", "gemma3": "<end_of_turn>"}[
+        model_type])
+    eos = plain.generation_config.eos_token_id
+    assert end_of_turn in (eos if isinstance(eos, list) else [eos]), "the export stops at the chat's end of turn"
 
     # and Twinkle's own load() (a resumed run) restores the same network
     fresh, _ = build_vlm_model(tiny_vlm_dir(model_type), task_options=options)

@@ -23,6 +23,9 @@ from typing import Any
 from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.data.collate import collate_tokens
 
+#: what a video adds to a feature's ``vision`` (:mod:`twinkle_vlm.videos`); the other keys belong to images
+VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
 
 @dataclass
 class VLMFeature:
@@ -48,18 +51,20 @@ class VLMFeature:
 
 
 def concat_vision(features: Sequence[VLMFeature]) -> dict[str, Any]:
-    """The vision tensors of ``features`` concatenated on dim 0 (features without images contribute nothing)."""
+    """The vision tensors of ``features`` concatenated on dim 0 (features without images contribute nothing).
+    Image and video tensors are separate keys (``pixel_values`` / ``pixel_values_videos``): each is concatenated
+    over the features that have it, in order, the order the model meets that modality's placeholders."""
     import torch
 
     with_images = [f for f in features if f.num_images]
-    if not with_images:
-        return {}
-    keys = set(with_images[0].vision)
-    for feature in with_images[1:]:
-        if set(feature.vision) != keys:
-            raise ValueError(f"samples disagree on the processor's vision outputs: {sorted(keys)} vs "
-                             f"{sorted(feature.vision)}; were they encoded by different processors?")
-    return {key: torch.cat([f.vision[key] for f in with_images], dim=0) for key in sorted(keys)}
+    if with_images:
+        keys = set(with_images[0].vision) - set(VIDEO_KEYS)
+        for feature in with_images[1:]:
+            if set(feature.vision) - set(VIDEO_KEYS) != keys:
+                raise ValueError(f"samples disagree on the processor's vision outputs: {sorted(keys)} vs "
+                                 f"{sorted(feature.vision)}; were they encoded by different processors?")
+    keys = {k for f in features for k in f.vision}
+    return {key: torch.cat([f.vision[key] for f in features if key in f.vision], dim=0) for key in sorted(keys)}
 
 
 def collate_vlm(features: Sequence[VLMFeature], pad_token_id: int, pad_to_multiple_of: int | None = None) -> dict[str, Any]:
@@ -78,4 +83,4 @@ def collate_vlm(features: Sequence[VLMFeature], pad_token_id: int, pad_to_multip
     return out
 
 
-__all__ = ["VLMFeature", "collate_vlm", "concat_vision"]
+__all__ = ["VIDEO_KEYS", "VLMFeature", "collate_vlm", "concat_vision"]

@@ -15,7 +15,9 @@ Accepted rows (JSONL, JSON, or anything the core's data specs read):
 
 ShareGPT ``conversations`` (``from`` / ``value``) and a top-level ``system`` work as in the core. Relative image
 paths are relative to the directory of the data file (to the working directory for rows given in code). A row
-without images is a text-only sample. Images belong to user / system turns: the model cannot be trained to
+without images is a text-only sample. Videos work the same way: ``{"type": "video", "video": "clips/a.mp4"}`` parts,
+or ``<video>`` placeholders with a ``videos`` list; a video is a file, a directory of frames or a list of frame paths
+(:mod:`twinkle_vlm.videos`, which also checks them). Images belong to user / system turns: the model cannot be trained to
 produce one.
 
 Every row is checked before any training (the last message must be the assistant's, placeholders match the
@@ -39,25 +41,29 @@ from twinkle_core.data.mixing import Record, is_data_spec, load_spec, parse_sour
 from twinkle_core.errors import DataFormatError
 from twinkle_vlm.images import check_image_root, check_max_image_pixels, image_problem
 from twinkle_vlm.processor import image_size_refusal
+from twinkle_vlm.videos import VIDEO_PLACEHOLDER, VideoSource, video_problem
 
 #: the placeholder of the LLaMA-Factory / ms-swift format
 IMAGE_PLACEHOLDER = "<image>"
 #: how many problems one error message lists
 MAX_REPORTED = 20
 
-_PLACEHOLDER_SPLIT = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)})")
+_PLACEHOLDER_SPLIT = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
 
 
 @dataclass
 class VLMSample:
-    """One conversation: messages with typed content parts (``{"type": "text", "text"}`` / ``{"type": "image"}``,
-    the form processors' chat templates read) and the absolute paths of its images in order of appearance."""
+    """One conversation: messages with typed content parts (``{"type": "text", "text"}`` / ``{"type": "image"}``
+    / ``{"type": "video"}``, the form processors' chat templates read) and the absolute paths of its images and
+    videos (a file or directory path, or a list of frame paths: :mod:`twinkle_vlm.videos`) in order of
+    appearance."""
 
     messages: list[dict[str, Any]]
     images: list[str]
     source: str = "<rows>"
     line: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    videos: list[VideoSource] = field(default_factory=list)
 
 
 class VLMDataError(DataFormatError):
@@ -83,11 +89,20 @@ def _text_part(text: Any, where: str) -> dict[str, Any]:
     return {"type": "text", "text": text}
 
 
-def _typed_parts(content: list[Any], where: str, images: list[str]) -> list[dict[str, Any]]:
+def _video_source(value: Any, where: str) -> VideoSource:
+    """A video as a row gives it: a file or frame directory path, or a non-empty list of frame paths."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value and all(isinstance(p, str) and p for p in value):
+        return list(value)
+    raise RowError(f"{where}: a video is a file or frame directory path, or a list of frame image paths, got {value!r}")
+
+
+def _typed_parts(content: list[Any], where: str, images: list[str], videos: list[VideoSource]) -> list[dict[str, Any]]:
     parts = []
     for j, part in enumerate(content):
         if not isinstance(part, Mapping) or "type" not in part:
-            raise RowError(f"{where} part {j} must be an object with 'type' ('text' or 'image')")
+            raise RowError(f"{where} part {j} must be an object with 'type' ('text', 'image' or 'video')")
         if part["type"] == "text":
             parts.append(_text_part(part.get("text"), f"{where} part {j}"))
         elif part["type"] == "image":
@@ -96,18 +111,25 @@ def _typed_parts(content: list[Any], where: str, images: list[str]) -> list[dict
                 raise RowError(f"{where} part {j}: an image part needs the file path in 'image'")
             images.append(path)
             parts.append({"type": "image"})
+        elif part["type"] == "video":
+            videos.append(_video_source(part.get("video", part.get("path")), f"{where} part {j}"))
+            parts.append({"type": "video"})
         else:
-            raise RowError(f"{where} part {j} has unknown type {part['type']!r}; expected 'text' or 'image'")
+            raise RowError(f"{where} part {j} has unknown type {part['type']!r}; expected 'text', 'image' or 'video'")
     return parts
 
 
-def _placeholder_parts(content: str, listed: list[str], images: list[str]) -> list[dict[str, Any]]:
+def _placeholder_parts(content: str, listed: list[str], images: list[str], listed_videos: list[VideoSource],
+                       videos: list[VideoSource]) -> list[dict[str, Any]]:
     parts = []
     for piece in _PLACEHOLDER_SPLIT.split(content):
         if piece == IMAGE_PLACEHOLDER:
             # a missing entry is reported once for the whole row (placeholder count vs images)
             images.append(listed[len(images)] if len(images) < len(listed) else "")
             parts.append({"type": "image"})
+        elif piece == VIDEO_PLACEHOLDER:
+            videos.append(listed_videos[len(videos)] if len(videos) < len(listed_videos) else "")
+            parts.append({"type": "video"})
         elif piece:
             parts.append({"type": "text", "text": piece})
     return parts
@@ -120,25 +142,33 @@ def parse_row(row: Any, base_dir: str) -> VLMSample:
     if listed is not None and (not isinstance(listed, list) or not all(isinstance(p, str) for p in listed)):
         raise RowError("'images' must be a list of file paths")
     listed = listed or []
+    listed_videos = extra.pop("videos", None)
+    if listed_videos is not None and not isinstance(listed_videos, list):
+        raise RowError("'videos' must be a list of videos (file or frame directory paths, or lists of frame paths)")
+    listed_videos = [_video_source(v, f"'videos' entry {k}") for k, v in enumerate(listed_videos or [])]
     images: list[str] = []
-    typed_images = placeholders = 0
+    videos: list[VideoSource] = []
+    typed_images = placeholders = typed_videos = video_placeholders = 0
     parsed = []
     for i, message in enumerate(messages):
         where = f"message {i}"
         if not isinstance(message, Mapping) or message.get("role") not in ROLES:
             raise RowError(f"{where} must be an object with a 'role' in {', '.join(ROLES)}")
         content = message.get("content")
-        before = len(images)
+        before, videos_before = len(images), len(videos)
         if isinstance(content, str):
-            parts = _placeholder_parts(content, listed, images)
+            parts = _placeholder_parts(content, listed, images, listed_videos, videos)
             placeholders += len(images) - before
+            video_placeholders += len(videos) - videos_before
         elif isinstance(content, list):
-            parts = _typed_parts(content, where, images)
+            parts = _typed_parts(content, where, images, videos)
             typed_images += len(images) - before
+            typed_videos += len(videos) - videos_before
         else:
             raise RowError(f"{where} ({message['role']}) content must be a string or a list of parts")
-        if len(images) > before and message["role"] == "assistant":
-            raise RowError(f"{where} is the assistant's and holds an image; images belong to user or system turns")
+        if (len(images) > before or len(videos) > videos_before) and message["role"] == "assistant":
+            raise RowError(f"{where} is the assistant's and holds an image or video; they belong to user or system "
+                           "turns")
         parsed.append({"role": message["role"], "content": parts})
     if parsed[-1]["role"] != "assistant":
         raise RowError(f"the last message must be from the assistant for SFT, got {parsed[-1]['role']!r}")
@@ -147,8 +177,17 @@ def parse_row(row: Any, base_dir: str) -> VLMSample:
     if placeholders != len(listed):
         raise RowError(f"{placeholders} {IMAGE_PLACEHOLDER} placeholder(s) in the messages but {len(listed)} "
                        "image(s) in 'images'; they must match one to one")
-    paths = [os.path.normpath(os.path.join(base_dir, p)) for p in images]
-    return VLMSample(messages=parsed, images=paths, extra=extra)
+    if typed_videos and listed_videos:
+        raise RowError("the row has both video parts and a 'videos' list; use one of the two formats")
+    if video_placeholders != len(listed_videos):
+        raise RowError(f"{video_placeholders} {VIDEO_PLACEHOLDER} placeholder(s) in the messages but "
+                       f"{len(listed_videos)} video(s) in 'videos'; they must match one to one")
+
+    def absolute(path: str) -> str:
+        return os.path.normpath(os.path.join(base_dir, path))
+
+    clips = [absolute(v) if isinstance(v, str) else [absolute(p) for p in v] for v in videos]
+    return VLMSample(messages=parsed, images=[absolute(p) for p in images], extra=extra, videos=clips)
 
 
 def _base_dir(path: str) -> str:
@@ -197,6 +236,13 @@ def load_samples(spec: Any, *, columns: Any = None, seed: int = 0, image_root: A
                     checked[path] = image_problem(path, root=root, max_image_pixels=limit, size_refusal=refusal)
                 if checked[path] is not None:
                     problems.append((record.source, record.line, checked[path]))
+                    bad = True
+            for clip in sample.videos:
+                key_clip = "\n".join(clip) if isinstance(clip, list) else clip  # a frame list: all its paths
+                if key_clip not in checked:
+                    checked[key_clip] = video_problem(clip, root=root, max_image_pixels=limit)
+                if checked[key_clip] is not None:
+                    problems.append((record.source, record.line, checked[key_clip]))
                     bad = True
             parsed[key] = None if bad else sample
         if parsed[key] is not None:

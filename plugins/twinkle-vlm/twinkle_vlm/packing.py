@@ -68,11 +68,12 @@ def pack_vlm_features(features: Sequence[VLMFeature], max_length: int) -> list[V
     return [_pack_group(group) for group in bins]
 
 
-def _image_runs(token_types: Any) -> int:
-    """How many images a stretch of ``mm_token_type_ids`` holds (each image is one run of non-zero types)."""
+def _image_runs(token_types: Any, kind: int | None = None) -> int:
+    """How many images a stretch of ``mm_token_type_ids`` holds (each image is one run of non-zero types);
+    ``kind``: count only the runs of that type (1: images, 2: videos)."""
     import torch
 
-    marked = (token_types != 0).long()
+    marked = (token_types != 0).long() if kind is None else (token_types == kind).long()
     starts = marked[1:] > marked[:-1]
     return int(marked[:1].sum()) + int(torch.count_nonzero(starts))
 
@@ -93,21 +94,32 @@ def multimodal_position_ids(rope_index: Callable[..., Any], batch: dict[str, Any
     if token_types is None:
         token_types = torch.zeros_like(input_ids)
     grids = batch.get("image_grid_thw")
+    video_grids, seconds = batch.get("video_grid_thw"), batch.get("second_per_grid_ts")
+    # videos (twinkle_vlm.videos) only where the batch has them: Qwen2.5-VL alone takes second_per_grid_ts
+    video = {"video_grid_thw": video_grids} if video_grids is not None else {}
+    if seconds is not None:
+        video["second_per_grid_ts"] = seconds
     if batch.get("attention_mask") is not None:  # padded: one call, padding skipped through the mask
         positions, _ = rope_index(input_ids=input_ids, mm_token_type_ids=token_types, image_grid_thw=grids,
-                                  attention_mask=batch["attention_mask"])
+                                  attention_mask=batch["attention_mask"], **video)
         return positions
     text = batch["position_ids"]
     rows = []
-    used = 0  # images are stacked in row-major sample order, the order the placeholders come in
+    used = used_videos = 0  # images (videos) are stacked in row-major sample order, the order of the placeholders
     for row in range(input_ids.shape[0]):
         parts = []
         for start, end in _segments(text[row]):
-            count = _image_runs(token_types[row, start:end])
+            count = _image_runs(token_types[row, start:end], 1 if video else None)
             own = grids[used:used + count] if count else None
             used += count
+            own_video = {}
+            if video:
+                videos = _image_runs(token_types[row, start:end], 2)
+                own_video = {k: v[used_videos:used_videos + videos] for k, v in video.items()} if videos else {}
+                used_videos += videos
             positions, _ = rope_index(input_ids=input_ids[row:row + 1, start:end],
-                                      mm_token_type_ids=token_types[row:row + 1, start:end], image_grid_thw=own)
+                                      mm_token_type_ids=token_types[row:row + 1, start:end], image_grid_thw=own,
+                                      **own_video)
             parts.append(positions[:, 0])
         rows.append(torch.cat(parts, dim=1))
     spatial = torch.stack(rows, dim=1)

@@ -20,6 +20,9 @@ header declares more pixels are refused before decoding; default PIL's own limit
 (every image must resolve inside this directory; default: none, any readable path). The data check before
 training also refuses image sizes the model's image processor refuses (Qwen2-VL family: aspect ratio over 200),
 from the headers alone, so a bad image is reported as ``file:line`` instead of failing inside the processor.
+Videos (Qwen2-VL, Qwen2.5-VL; :mod:`twinkle_vlm.videos`): ``video_fps`` (frames sampled per second, default 2),
+``video_max_frames`` (default 768) and ``video_max_pixels`` (per frame; default the image ``max_pixels``); each video
+part expands into its ``<|video_pad|>`` run, masked like image tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from twinkle_vlm.images import (
 from twinkle_vlm.packing import find_rope_index, multimodal_position_ids, pack_vlm_features
 from twinkle_vlm.parts import TrainablePartsMixin
 from twinkle_vlm.processor import load_processor
+from twinkle_vlm.videos import VideoEncoder, VideoOptions, load_frames, video_options
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +95,8 @@ class VLMEncoder:
     """Rows -> :class:`VLMFeature` with one processor (see the module doc)."""
 
     def __init__(self, processor: Any, *, max_length: int | None = None, truncation: str = "right",
-                 image_root: Any = None, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+                 image_root: Any = None, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 video: VideoOptions | None = None) -> None:
         if truncation not in ("right", "error"):
             raise ConfigError(f"truncation for the vlm task must be 'right' or 'error', got {truncation!r} (cutting "
                               "the start would cut images and the prompt)")
@@ -106,6 +111,8 @@ class VLMEncoder:
                                          | ({int(eos)} if eos is not None else set()))
         self.vision_ids = vision_token_ids(processor)
         self.marker = image_marker(processor)
+        #: videos (twinkle_vlm.videos): frames -> tensors and the expanded video placeholder run
+        self.video = VideoEncoder(processor, video or VideoOptions())
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_token_id = int(pad if pad is not None else eos)
 
@@ -137,6 +144,17 @@ class VLMEncoder:
         except ImageFileError as exc:
             raise RowError(exc.reason) from None
 
+    def open_videos(self, sources: list[Any]) -> list[tuple[list[Any], float]]:
+        """The sampled frames and their rate of each video (a :class:`RowError` naming the file when one cannot
+        be used, or when the model takes no video)."""
+        if sources and self.video.refusal is not None:
+            raise RowError(self.video.refusal)
+        try:
+            return [load_frames(s, self.video.options, root=self.image_root, max_image_pixels=self.max_image_pixels)
+                    for s in sources]
+        except ImageFileError as exc:
+            raise RowError(exc.reason) from None
+
     def _process(self, text: str, images: list[Any], paths: list[str]) -> dict[str, Any]:
         if not images:  # text alone is only tokenised: the tokenizer directly is several times faster
             import torch
@@ -154,6 +172,7 @@ class VLMEncoder:
         full, spans = self.assistant_spans(sample.messages)
         bounds = [0, *(edge for span in spans for edge in span), len(full)]
         pending = list(sample.images)
+        pending_videos = list(sample.videos)
         input_ids: list[int] = []
         labels: list[int] = []
         token_values: dict[str, list[int]] = {}
@@ -168,14 +187,18 @@ class VLMEncoder:
                                "image: remove it from the text (images are image parts or <image> placeholders)")
             paths, pending = pending[:count], pending[count:]
             images = self.open_images(paths)
-            out = self._process(piece, images, paths)
+            clips, pending_videos = self._split_videos(piece, pending_videos)
+            if clips:
+                out = self._process_with_videos(piece, images, paths, self.open_videos(clips))
+            else:
+                out = self._process(piece, images, paths)
             ids = [int(t) for t in out["input_ids"][0]]
             for key, value in out.items():
                 if key in _TEXT_KEYS:
                     continue
                 if key in TOKEN_VALUE_KEYS:
                     token_values.setdefault(key, [0] * len(input_ids)).extend(int(v) for v in value[0])
-                elif images:
+                elif images or clips:
                     vision.setdefault(key, []).append(value)
             input_ids += ids
             for values in token_values.values():  # a key only some pieces return: text (0) elsewhere
@@ -183,9 +206,46 @@ class VLMEncoder:
             labels += self._labels(ids) if k % 2 == 1 and k < 2 * len(spans) else [IGNORE_INDEX] * len(ids)
         if pending:
             raise RowError(f"{len(pending)} image(s) were not rendered by the chat template")
+        if pending_videos:
+            raise RowError(f"{len(pending_videos)} video(s) were not rendered by the chat template"
+                           + (f": {self.video.refusal}" if self.video.refusal else ""))
         labels = [IGNORE_INDEX if t in self.vision_ids else label for t, label in zip(input_ids, labels, strict=True)]
         stacked = {key: torch.cat(parts, dim=0) for key, parts in vision.items()}
         return self._truncate(VLMFeature(input_ids, labels, token_values, stacked, len(sample.images)), sample)
+
+    def _process_with_videos(self, text: str, images: list[Any], paths: list[str],
+                             clips: list[tuple[list[Any], float]]) -> dict[str, Any]:
+        """:meth:`_process` for a piece that shows videos: the processor refuses video tokens without its video
+        processor, so the text between the video markers goes through it (with its images) and each marker
+        becomes its clip's run of video tokens (special tokens split the text the same way: same ids)."""
+        import torch
+
+        counts, video_tensors = self.video.runs(clips)
+        video_id = self.processor.tokenizer.convert_tokens_to_ids(self.video.marker)
+        ids: list[int] = []
+        image_outputs: dict[str, list[Any]] = {}
+        used = 0
+        for k, segment in enumerate(text.split(self.video.marker)):
+            count = segment.count(self.marker)
+            out = self._process(segment, images[used:used + count], paths[used:used + count])
+            used += count
+            ids += [int(t) for t in out["input_ids"][0]]
+            for key, value in out.items():
+                if key not in _TEXT_KEYS and key not in TOKEN_VALUE_KEYS:
+                    image_outputs.setdefault(key, []).append(value)
+            if k < len(counts):
+                ids += [video_id] * counts[k]
+        return {"input_ids": torch.tensor([ids]),
+                "mm_token_type_ids": torch.tensor(self.processor.create_mm_token_type_ids([ids])),  # video: 2
+                **{key: torch.cat(values, dim=0) for key, values in image_outputs.items()}, **video_tensors}
+
+    def _split_videos(self, piece: str, pending: list[Any]) -> tuple[list[Any], list[Any]]:
+        """The videos ``piece`` shows (one video marker each) and those left for later pieces."""
+        count = piece.count(self.video.marker) if pending or self.video.refusal is None else 0
+        if count > len(pending):
+            raise RowError(f"the text holds {self.video.marker!r}, the video marker of this model, where the row has "
+                           "no video: remove it from the text (videos are video parts or <video> placeholders)")
+        return pending[:count], pending[count:]
 
     def _labels(self, ids: list[int]) -> list[int]:
         """An assistant piece is trained up to its last end-of-turn token (ChatML's trailing newline is not)."""
@@ -241,6 +301,10 @@ class VLMTask(TrainablePartsMixin, Task):
             check_max_image_pixels(recipe.task_options.get("max_image_pixels"))
         except ConfigError as exc:
             problems.append(f"task_options.max_image_pixels: {exc}")
+        try:
+            video_options(recipe.task_options)
+        except ConfigError as exc:
+            problems.append(str(exc))
         root = recipe.task_options.get("image_root")
         if root is not None and (not isinstance(root, str) or not root):
             problems.append(f"task_options.image_root: must be a directory path, got {root!r}")
@@ -282,7 +346,8 @@ class VLMTask(TrainablePartsMixin, Task):
         samples = load_samples(path, columns=self._option(columns, "columns", None), seed=int(seed or 0),
                                image_processor=processor.image_processor, **self.image_options())
         self.encoder = VLMEncoder(processor, max_length=max_length,
-                                  truncation=self._option(truncation, "truncation", "right"), **self.image_options())
+                                  truncation=self._option(truncation, "truncation", "right"),
+                                  video=video_options(self.options), **self.image_options())
         features = []
         for sample in samples:
             try:
@@ -333,7 +398,8 @@ class VLMTask(TrainablePartsMixin, Task):
         if not is_features:
             dataset = self.load_dataset(dataset, tokenizer, packing=False)
         if self.encoder is None:
-            self.encoder = VLMEncoder(self.processor_for(tokenizer), **self.image_options())
+            self.encoder = VLMEncoder(self.processor_for(tokenizer), video=video_options(self.options),
+                                      **self.image_options())
         return answer_accuracy(model, dataset, self.encoder, max_new_tokens=max_new_tokens, limit=limit,
                                batch_size=batch_size)
 

@@ -20,14 +20,17 @@ _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3,
 
 
 def _qwen_template(vision_start: str, image: str, vision_end: str) -> str:
-    """ChatML with image parts rendered ``<|vision_start|><|image_pad|><|vision_end|>`` in place,
-    as Qwen2-VL / Qwen2.5-VL / Qwen3-VL do (without their default system prompt)."""
+    """ChatML with image parts rendered ``<|vision_start|><|image_pad|><|vision_end|>`` and video parts
+    ``<|vision_start|><|video_pad|><|vision_end|>`` in place, as Qwen2-VL / Qwen2.5-VL / Qwen3-VL do (without
+    their default system prompt)."""
     return (
         "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
         "{% if message['content'] is string %}{{ message['content'] }}"
         "{% else %}{% for content in message['content'] %}"
         "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
         f"{vision_start}{image}{vision_end}"
+        "{% elif content['type'] == 'video' or 'video' in content %}"
+        f"{vision_start}<|video_pad|>{vision_end}"
         "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
         "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
