@@ -62,4 +62,7 @@ def grad_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     if not parts:
         return torch.tensor(0.0)
     device = parts[0].device
-    return torch.linalg.vector_norm(torch.stack([p.to(device).float() for p in parts]), norm_type)
+    # at least float32 (bf16 / fp16 parts would lose the sum), and float64 stays float64: a float64 run's clipping
+    # factor must not be rounded to float32 (its FSDP2 run then drifts from one process at 1e-8, not 1e-16)
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
+    return torch.linalg.vector_norm(torch.stack([p.to(device=device, dtype=dtype) for p in parts]), norm_type)
