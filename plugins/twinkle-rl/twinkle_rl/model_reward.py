@@ -53,12 +53,17 @@ class RewardModelScore(Reward):
 
     name = "reward_model"
 
-    def __init__(self, path: str, batch_size: int = 16, device: str | None = None) -> None:
+    def __init__(self, path: str, batch_size: int = 16, device: str | None = None,
+                 trust_remote_code: bool | None = None) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        from twinkle_core.sources import resolve
+
         directory = model_directory(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(directory)
-        self.model = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32)
+        remote = resolve.trust_remote_code(trust_remote_code)  # explicit: never a question on stdin
+        self.tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=remote)
+        self.model = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32,
+                                                                        trust_remote_code=remote)
         if self.model.config.num_labels != 1:
             raise ConfigError(f"rewards: reward_model: {path!r} is a classifier with {self.model.config.num_labels} "
                               f"labels; a reward model has one (a score)")
