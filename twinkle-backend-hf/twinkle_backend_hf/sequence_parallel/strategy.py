@@ -21,8 +21,10 @@ code that pairs them with the original batch keep working.
 Options: ``inner_attn_implementation`` (default: the model's own when it is sdpa/flash, else sdpa),
 ``pad_token_id`` (for the alignment padding, default 0), ``ignore_index`` (-100),
 ``gather_eval_outputs`` (default True), ``shift_keys`` (loss-side keys whose ``[B, T]`` tensors are
-aligned with ``labels`` and shifted like them; see :func:`~.ulysses.shard_batch`), plus the ``ddp``
-strategy's options.
+aligned with ``labels`` and shifted like them; see :func:`~.ulysses.shard_batch`), ``cp_impl``
+(``ulysses``, the default, or ``ring``: ring attention over the ``sp`` group, :mod:`.ring_attention`, which has
+no head-count limit), ``ring_layout`` (``zigzag``, the default, or ``contiguous``; ``ring`` only), plus the
+``ddp`` strategy's options.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from twinkle_backend_hf.sequence_parallel import ulysses
+from twinkle_backend_hf.sequence_parallel import ring_attention, ring_layout, ulysses
 from twinkle_backend_hf.strategies.collectives import ensure_process_group
 from twinkle_backend_hf.strategies.ddp import DDPStrategy
 from twinkle_backend_hf.strategies.model_parts import base_model
@@ -49,7 +51,12 @@ if TYPE_CHECKING:
     from twinkle_core.accelerator import Accelerator
     from twinkle_core.loss.base import LossContext
 
-_OWN_OPTIONS = ("inner_attn_implementation", "pad_token_id", "ignore_index", "gather_eval_outputs", "shift_keys")
+_OWN_OPTIONS = ("inner_attn_implementation", "pad_token_id", "ignore_index", "gather_eval_outputs", "shift_keys",
+                "cp_impl", "ring_layout")
+CP_IMPLS = ("ulysses", "ring")
+
+
+_check_layout = ring_layout.check_layout  # the keyword ``ring_layout`` shadows the module in ``__init__``
 
 
 class UlyssesModule(torch.nn.Module):
@@ -71,7 +78,11 @@ class UlyssesModule(torch.nn.Module):
         for key in ("logits", "last_hidden_state"):
             value = out.get(key) if hasattr(out, "get") else None
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == info.local_length:
-                out[key] = ulysses.gather_sequence(value, strategy.sp_group, dim=1)[:, : info.length]
+                gathered = ulysses.gather_sequence(value, strategy.sp_group, dim=1)
+                layout = strategy.layout
+                if layout != "contiguous":
+                    gathered = ring_layout.unshard_sequence(list(gathered.chunk(strategy.sp_size, dim=1)), layout)
+                out[key] = gathered[:, : info.length]
         return out
 
 
@@ -82,16 +93,20 @@ class SequenceParallelStrategy(DDPStrategy):
 
     def __init__(self, mesh: DeviceMesh | None = None, *, inner_attn_implementation: str | None = None,
                  pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX, gather_eval_outputs: bool = True,
-                 shift_keys: tuple[str, ...] | list[str] = ulysses.SHIFT_KEYS, **ddp_options: Any) -> None:
+                 shift_keys: tuple[str, ...] | list[str] = ulysses.SHIFT_KEYS, cp_impl: str = "ulysses",
+                 ring_layout: str = "zigzag", **ddp_options: Any) -> None:
         try:
             super().__init__(mesh, **ddp_options)
         except ConfigError as exc:
             raise ConfigError(f"strategy 'ulysses': {exc} (own options: {', '.join(_OWN_OPTIONS)})") from None
         if inner_attn_implementation is not None:
             ulysses.inner_attention_function(inner_attn_implementation)  # validate early
+        if cp_impl not in CP_IMPLS:
+            raise ConfigError(f"strategy 'ulysses': cp_impl must be one of {', '.join(CP_IMPLS)}; got {cp_impl!r}")
+        _check_layout(ring_layout)
         self.options.update(inner_attn_implementation=inner_attn_implementation, pad_token_id=pad_token_id,
                             ignore_index=ignore_index, gather_eval_outputs=gather_eval_outputs,
-                            shift_keys=tuple(shift_keys))
+                            shift_keys=tuple(shift_keys), cp_impl=cp_impl, ring_layout=ring_layout)
         self.sp_group: Any = None
         self._dp_group: Any = None
         self.sp_size = 1
@@ -123,6 +138,13 @@ class SequenceParallelStrategy(DDPStrategy):
                 if chunk == self.sp_rank:
                     self._dp_group = group
         ulysses.set_sequence_parallel_group(self.sp_group)
+        if self.options["cp_impl"] == "ring":
+            ring_attention.set_ring_group(self.sp_group, self.options["ring_layout"])
+
+    @property
+    def layout(self) -> str:
+        """How the sequence is split over the ``sp`` group (see :mod:`.ring_layout`)."""
+        return self.options["ring_layout"] if self.options["cp_impl"] == "ring" else "contiguous"
 
     @property
     def dp_group(self) -> Any:
@@ -142,8 +164,12 @@ class SequenceParallelStrategy(DDPStrategy):
                 t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
             raise ConfigError("strategy 'ulysses' does not support sliding-window / non-full attention layers")
         current = config._attn_implementation
-        inner = self.options["inner_attn_implementation"] or ulysses.inner_of(current)
-        name = ulysses.register_ulysses_attention(inner)
+        ring = self.options["cp_impl"] == "ring"
+        if ring:
+            name = ring_attention.register_ring_attention()
+        else:
+            name = ulysses.register_ulysses_attention(self.options["inner_attn_implementation"]
+                                                      or ulysses.inner_of(current))
         if current != name:
             model.set_attn_implementation(name)
         if model.config._attn_implementation != name:
@@ -151,7 +177,7 @@ class SequenceParallelStrategy(DDPStrategy):
                               f"AttentionInterface, so Ulysses sequence parallelism cannot be plugged in")
         heads = getattr(config, "num_attention_heads", None)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        if heads:
+        if heads and not ring:
             ulysses.kv_repeat_factor(heads, kv_heads, self.sp_size)  # fails early with a clear message
 
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -173,7 +199,7 @@ class SequenceParallelStrategy(DDPStrategy):
     def prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         sharded, self.last_shard = ulysses.shard_batch(
             inputs, self.sp_size, self.sp_rank, ignore_index=self.options["ignore_index"],
-            pad_token_id=self.options["pad_token_id"], shift_keys=self.options["shift_keys"])
+            pad_token_id=self.options["pad_token_id"], shift_keys=self.options["shift_keys"], layout=self.layout)
         return sharded
 
     # ------------------------------------------------------------------ gradients

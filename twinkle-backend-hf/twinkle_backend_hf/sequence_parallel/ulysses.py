@@ -65,6 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from twinkle_backend_hf.sequence_parallel import ring_layout
 from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
 
@@ -396,18 +397,21 @@ def _positions_from_mask(mask: torch.Tensor, positions: torch.Tensor) -> torch.T
 
 def shard_batch(batch: dict[str, Any], sp_size: int, sp_rank: int, *, ignore_index: int = IGNORE_INDEX,
                 pad_token_id: int = 0, model_keys: tuple[str, ...] = MODEL_KEYS,
-                shift_keys: tuple[str, ...] = SHIFT_KEYS) -> tuple[dict[str, Any], ShardInfo]:
+                shift_keys: tuple[str, ...] = SHIFT_KEYS,
+                layout: str = "contiguous") -> tuple[dict[str, Any], ShardInfo]:
     """This SP rank's share of ``batch`` (every rank of the group passes the same batch).
 
     * ``labels`` ``[B, T]`` become ``shift_labels`` (``shift_labels[:, t] = labels[:, t + 1]``), shifted
       *before* the split so that the last token of a chunk still predicts the first of the next; the
       ``labels`` key is removed, so a loss that does not know ``shift_labels`` fails loudly instead of
       shifting each chunk on its own.
+    * ``layout`` (:mod:`.ring_layout`): ``contiguous`` (Ulysses) keeps chunk ``sp_rank``; ``zigzag`` (ring
+      attention) keeps chunks ``sp_rank`` and ``2 sp - 1 - sp_rank`` of ``2 sp``.
     * ``position_ids`` are the *global* positions (``arange`` when absent), so RoPE sees the right angles.
     * ``attention_mask`` is dropped (see the module doc: right padding needs nothing, left padding
       moves into ``position_ids``).
-    * the sequence is right-padded to a multiple of ``sp_size`` (labels ``ignore_index``, positions
-      continuing the last sequence so that no real token attends to the padding).
+    * the sequence is right-padded to a multiple of ``sp_size`` (``2 sp_size`` for ``zigzag``; labels
+      ``ignore_index``, positions continuing the last sequence so that no real token attends to the padding).
     * every other per-token tensor is delivered aligned with the chunk's logits positions, like
       ``shift_labels``: ``[B, T, ...]`` tensors of ``shift_keys`` (aligned with ``labels``) are shifted
       first; other ``[B, T, ...]`` tensors are taken as aligned with the logits already (e.g.
@@ -422,11 +426,14 @@ def shard_batch(batch: dict[str, Any], sp_size: int, sp_rank: int, *, ignore_ind
     if ref is None:
         raise ConfigError("sequence parallelism needs input_ids or inputs_embeds in the batch")
     rows, length = ref.shape[0], ref.shape[1]
-    padded = -(-length // sp_size) * sp_size
+    multiple = ring_layout.length_multiple(sp_size, layout)
+    padded = -(-length // multiple) * multiple
     pad = padded - length
     info = ShardInfo(length=length, padded_length=padded, sp_size=sp_size, sp_rank=sp_rank)
     local = padded // sp_size
-    chunk = slice(sp_rank * local, (sp_rank + 1) * local)
+    chunk: slice | torch.Tensor = slice(sp_rank * local, (sp_rank + 1) * local)
+    if layout != "contiguous":
+        chunk = ring_layout.local_indices(padded, sp_size, sp_rank, layout, device=ref.device)
     positions = _global_positions(batch, ref, rows, length, pad)
 
     out: dict[str, Any] = {}
@@ -473,7 +480,7 @@ def _global_positions(batch: dict[str, Any], ref: torch.Tensor, rows: int, lengt
     return positions
 
 
-def _loss_side_chunk(key: str, value: torch.Tensor, length: int, pad: int, chunk: slice, *, ignore_index: int,
+def _loss_side_chunk(key: str, value: torch.Tensor, length: int, pad: int, chunk: slice | torch.Tensor, *, ignore_index: int,
                      shift: bool) -> torch.Tensor:
     """This rank's chunk of a per-token tensor the loss reads, aligned with ``shift_labels`` (``shift``: it is
     aligned with ``labels`` and shifted first); a tensor of another length passes unchanged."""

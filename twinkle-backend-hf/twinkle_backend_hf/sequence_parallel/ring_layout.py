@@ -1,0 +1,81 @@
+"""Which tokens of a sequence each rank of a ring context-parallel group holds.
+
+Two layouts, for a sequence of ``L`` tokens over ``R`` ranks:
+
+* ``contiguous``: rank ``r`` holds tokens ``[r L/R, (r+1) L/R)`` (``L`` a multiple of ``R``);
+* ``zigzag``: the sequence is cut into ``2R`` chunks and rank ``r`` holds chunks ``r`` and
+  ``2R-1-r`` (``L`` a multiple of ``2R``). Under causal attention every rank then has the same
+  amount of work: an early chunk (little to attend to) paired with a late one (much to attend to).
+
+The ring attention (:mod:`.ring_attention`) needs only the global token index of each local token,
+:func:`local_indices`, to apply the causal rule exactly; the helpers below shard and reassemble
+tensors along their sequence dimension in either layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from twinkle_core.errors import ConfigError
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ConfigError(f"unknown ring layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+
+
+def length_multiple(world: int, layout: str) -> int:
+    """The global sequence length must be a multiple of this (pad the batch up to it)."""
+    check_layout(layout)
+    return 2 * world if layout == "zigzag" else world
+
+
+def local_indices(length: int, world: int, rank: int, layout: str,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """The global indices (ascending) of the ``length / world`` tokens that ``rank`` holds."""
+    multiple = length_multiple(world, layout)
+    if length % multiple:
+        raise ConfigError(f"a sequence of {length} tokens cannot be split over {world} ranks in the {layout} "
+                          f"layout: pad it to a multiple of {multiple}")
+    if layout == "contiguous":
+        size = length // world
+        return torch.arange(rank * size, (rank + 1) * size, device=device)
+    size = length // (2 * world)
+    first = torch.arange(rank * size, (rank + 1) * size, device=device)
+    last = 2 * world - 1 - rank
+    return torch.cat([first, torch.arange(last * size, (last + 1) * size, device=device)])
+
+
+def shard_sequence(x: torch.Tensor, world: int, rank: int, layout: str, dim: int = 1) -> torch.Tensor:
+    """``rank``'s share of ``x`` along ``dim`` (the sequence dimension)."""
+    index = local_indices(x.shape[dim], world, rank, layout, device=x.device)
+    return x.index_select(dim, index)
+
+
+def unshard_sequence(shards: list[torch.Tensor], layout: str, dim: int = 1) -> torch.Tensor:
+    """Reassemble the whole sequence from every rank's shard (in rank order), the inverse of :func:`shard_sequence`."""
+    world = len(shards)
+    joined = torch.cat(shards, dim=dim)
+    length = joined.shape[dim]
+    order = torch.cat([local_indices(length, world, r, layout, device=joined.device) for r in range(world)])
+    return joined.index_select(dim, torch.argsort(order))
+
+
+def causal_window(length: int, world: int, rank: int, source: int,
+                  layout: str) -> tuple[slice, slice, torch.Tensor, torch.Tensor] | None:
+    """Under causal attention, the part of ``rank``'s queries x ``source``'s keys that can meet.
+
+    Only the query rows at or after ``source``'s first key (a suffix: local indices ascend) and the key
+    columns at or before ``rank``'s last query (a prefix) can; returns those two slices and the global
+    indices of the rows and columns they keep, or ``None`` when no query sees any key. In the zig-zag
+    layout an off-diagonal pair keeps one chunk pair (half the block), wholly visible; every rank then
+    computes the same number of scores in total."""
+    q_index = local_indices(length, world, rank, layout)
+    k_index = local_indices(length, world, source, layout)
+    if int(k_index[0]) > int(q_index[-1]):
+        return None
+    rows = slice(int(torch.searchsorted(q_index, k_index[0])), None)
+    cols = slice(0, int(torch.searchsorted(k_index, q_index[-1], right=True)))
+    return rows, cols, q_index[rows], k_index[cols]
