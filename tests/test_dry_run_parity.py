@@ -53,7 +53,7 @@ def test_a_loss_that_needs_what_the_task_does_not_produce(tmp_path, capsys):
     assert code == 2
     dry = error(err)
     assert dry.startswith("loss.name: the loss 'gkd' needs batches with teacher_logits, which the task 'causal_lm' "
-                          "does not produce; no installed task provides them")
+                          "does not produce; use task: 'gkd'")
     code, err = train(tmp_path, "loss.name=gkd", capsys=capsys)
     assert code == 2 and error(err) == dry
     assert "KeyError" not in err

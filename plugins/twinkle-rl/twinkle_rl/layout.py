@@ -27,6 +27,9 @@ import torch
 
 #: what the ``preference`` task provides and every preference loss requires (``Task.provides`` / ``Loss.requires``)
 PREFERENCE_PAIRS = "preference_pairs"
+#: what the ``reward_model`` task provides and the ``bradley_terry`` loss requires: pairs in the same layout, each
+#: sequence scored by one number (a sequence-score network), not by token log-probabilities
+SCORED_PAIRS = "scored_pairs"
 
 LAYOUT_KEYS = ("pair_index", "is_chosen")
 

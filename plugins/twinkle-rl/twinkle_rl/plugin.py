@@ -21,6 +21,8 @@ def twinkle_register_tasks():
                      "online RL with a learned critic (a value head on a sibling model) and GAE advantages")
     yield TaskRecord("reward_model", f"{_PKG}.reward_model_task:RewardModelTask",
                      "a Bradley-Terry reward model (one score per sequence) trained on answer pairs")
+    yield TaskRecord("gkd", f"{_PKG}.distill_task:GKDTask",
+                     "on-policy distillation (GKD): student / teacher / data completions, the teacher's logits")
 
 
 @hookimpl

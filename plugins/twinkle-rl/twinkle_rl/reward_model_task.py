@@ -21,7 +21,7 @@ from twinkle_core.data.template import Template
 from twinkle_core.errors import ConfigError
 from twinkle_core.task import Task
 from twinkle_rl.checks import optional_integer
-from twinkle_rl.layout import PREFERENCE_PAIRS
+from twinkle_rl.layout import SCORED_PAIRS
 from twinkle_rl.pair_loading import load_pairs, no_chat_template
 from twinkle_rl.pairs import OVER_LENGTH, PreferenceFeature, collate_pairs
 
@@ -35,7 +35,7 @@ class RewardModelTask(Task):
     name: ClassVar[str] = "reward_model"
     default_loss: ClassVar[str] = "bradley_terry"
     model_kind: ClassVar[str] = "sequence_score"
-    provides: ClassVar[frozenset[str]] = frozenset({PREFERENCE_PAIRS})
+    provides: ClassVar[frozenset[str]] = frozenset({SCORED_PAIRS})
     console_keys: ClassVar[tuple[str, ...]] = ("accuracy", "margin")
     curve_keys: ClassVar[tuple[str, ...]] = ("accuracy", "margin")
 

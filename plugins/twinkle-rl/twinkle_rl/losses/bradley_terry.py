@@ -39,7 +39,7 @@ def sequence_scores(outputs: dict[str, Any], where: str) -> torch.Tensor:
 
 class BradleyTerryLoss(Loss):
     name: ClassVar[str] = "bradley_terry"
-    requires: ClassVar[frozenset[str]] = frozenset({layout.PREFERENCE_PAIRS})
+    requires: ClassVar[frozenset[str]] = frozenset({layout.SCORED_PAIRS})
 
     def __init__(self, *, center_rewards_coefficient: float | None = None) -> None:
         if center_rewards_coefficient is not None:
