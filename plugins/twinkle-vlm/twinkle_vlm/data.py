@@ -135,59 +135,80 @@ def _placeholder_parts(content: str, listed: list[str], images: list[str], liste
     return parts
 
 
-def parse_row(row: Any, base_dir: str) -> VLMSample:
-    """A row -> :class:`VLMSample` (paths made absolute, files not yet opened); raises :class:`RowError`."""
-    messages, extra = normalize_conversation(row)
+def _listed_media(extra: dict[str, Any]) -> tuple[list[str], list[VideoSource]]:
+    """The row's ``images`` and ``videos`` columns (for ``<image>`` / ``<video>`` placeholders), checked."""
     listed = extra.pop("images", None)
     if listed is not None and (not isinstance(listed, list) or not all(isinstance(p, str) for p in listed)):
         raise RowError("'images' must be a list of file paths")
-    listed = listed or []
     listed_videos = extra.pop("videos", None)
     if listed_videos is not None and not isinstance(listed_videos, list):
         raise RowError("'videos' must be a list of videos (file or frame directory paths, or lists of frame paths)")
-    listed_videos = [_video_source(v, f"'videos' entry {k}") for k, v in enumerate(listed_videos or [])]
-    images: list[str] = []
-    videos: list[VideoSource] = []
-    typed_images = placeholders = typed_videos = video_placeholders = 0
-    parsed = []
-    for i, message in enumerate(messages):
-        where = f"message {i}"
-        if not isinstance(message, Mapping) or message.get("role") not in ROLES:
-            raise RowError(f"{where} must be an object with a 'role' in {', '.join(ROLES)}")
-        content = message.get("content")
-        before, videos_before = len(images), len(videos)
-        if isinstance(content, str):
-            parts = _placeholder_parts(content, listed, images, listed_videos, videos)
-            placeholders += len(images) - before
-            video_placeholders += len(videos) - videos_before
-        elif isinstance(content, list):
-            parts = _typed_parts(content, where, images, videos)
-            typed_images += len(images) - before
-            typed_videos += len(videos) - videos_before
-        else:
-            raise RowError(f"{where} ({message['role']}) content must be a string or a list of parts")
-        if (len(images) > before or len(videos) > videos_before) and message["role"] == "assistant":
-            raise RowError(f"{where} is the assistant's and holds an image or video; they belong to user or system "
-                           "turns")
-        parsed.append({"role": message["role"], "content": parts})
+    return listed or [], [_video_source(v, f"'videos' entry {k}") for k, v in enumerate(listed_videos or [])]
+
+
+@dataclass
+class _Media:
+    """The images and videos a row's messages name, and how: as typed parts or as placeholders."""
+
+    images: list[str] = field(default_factory=list)
+    videos: list[VideoSource] = field(default_factory=list)
+    typed_images: int = 0
+    placeholders: int = 0
+    typed_videos: int = 0
+    video_placeholders: int = 0
+
+
+def _parse_message(i: int, message: Any, listed: list[str], listed_videos: list[VideoSource],
+                   media: _Media) -> dict[str, Any]:
+    where = f"message {i}"
+    if not isinstance(message, Mapping) or message.get("role") not in ROLES:
+        raise RowError(f"{where} must be an object with a 'role' in {', '.join(ROLES)}")
+    content = message.get("content")
+    before, videos_before = len(media.images), len(media.videos)
+    if isinstance(content, str):
+        parts = _placeholder_parts(content, listed, media.images, listed_videos, media.videos)
+        media.placeholders += len(media.images) - before
+        media.video_placeholders += len(media.videos) - videos_before
+    elif isinstance(content, list):
+        parts = _typed_parts(content, where, media.images, media.videos)
+        media.typed_images += len(media.images) - before
+        media.typed_videos += len(media.videos) - videos_before
+    else:
+        raise RowError(f"{where} ({message['role']}) content must be a string or a list of parts")
+    if (len(media.images) > before or len(media.videos) > videos_before) and message["role"] == "assistant":
+        raise RowError(f"{where} is the assistant's and holds an image or video; they belong to user or system "
+                       "turns")
+    return {"role": message["role"], "content": parts}
+
+
+def _check_media_counts(media: _Media, listed: list[str], listed_videos: list[VideoSource]) -> None:
+    if media.typed_images and listed:
+        raise RowError("the row has both image parts and an 'images' list; use one of the two formats")
+    if media.placeholders != len(listed):
+        raise RowError(f"{media.placeholders} {IMAGE_PLACEHOLDER} placeholder(s) in the messages but {len(listed)} "
+                       "image(s) in 'images'; they must match one to one")
+    if media.typed_videos and listed_videos:
+        raise RowError("the row has both video parts and a 'videos' list; use one of the two formats")
+    if media.video_placeholders != len(listed_videos):
+        raise RowError(f"{media.video_placeholders} {VIDEO_PLACEHOLDER} placeholder(s) in the messages but "
+                       f"{len(listed_videos)} video(s) in 'videos'; they must match one to one")
+
+
+def parse_row(row: Any, base_dir: str) -> VLMSample:
+    """A row -> :class:`VLMSample` (paths made absolute, files not yet opened); raises :class:`RowError`."""
+    messages, extra = normalize_conversation(row)
+    listed, listed_videos = _listed_media(extra)
+    media = _Media()
+    parsed = [_parse_message(i, message, listed, listed_videos, media) for i, message in enumerate(messages)]
     if parsed[-1]["role"] != "assistant":
         raise RowError(f"the last message must be from the assistant for SFT, got {parsed[-1]['role']!r}")
-    if typed_images and listed:
-        raise RowError("the row has both image parts and an 'images' list; use one of the two formats")
-    if placeholders != len(listed):
-        raise RowError(f"{placeholders} {IMAGE_PLACEHOLDER} placeholder(s) in the messages but {len(listed)} "
-                       "image(s) in 'images'; they must match one to one")
-    if typed_videos and listed_videos:
-        raise RowError("the row has both video parts and a 'videos' list; use one of the two formats")
-    if video_placeholders != len(listed_videos):
-        raise RowError(f"{video_placeholders} {VIDEO_PLACEHOLDER} placeholder(s) in the messages but "
-                       f"{len(listed_videos)} video(s) in 'videos'; they must match one to one")
+    _check_media_counts(media, listed, listed_videos)
 
     def absolute(path: str) -> str:
         return os.path.normpath(os.path.join(base_dir, path))
 
-    clips = [absolute(v) if isinstance(v, str) else [absolute(p) for p in v] for v in videos]
-    return VLMSample(messages=parsed, images=[absolute(p) for p in images], extra=extra, videos=clips)
+    clips = [absolute(v) if isinstance(v, str) else [absolute(p) for p in v] for v in media.videos]
+    return VLMSample(messages=parsed, images=[absolute(p) for p in media.images], extra=extra, videos=clips)
 
 
 def _base_dir(path: str) -> str:

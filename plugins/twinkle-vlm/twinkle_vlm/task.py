@@ -91,6 +91,24 @@ def refuse_unsupported_packing(features: list[VLMFeature]) -> None:
                           "with images; set data.packing: false")
 
 
+
+def _collect(out: dict[str, Any], shows_media: bool, input_ids: list[int], token_values: dict[str, list[int]],
+             vision: dict[str, list[Any]]) -> list[int]:
+    """Append one piece's processor outputs to the row's: its ids (returned), its per-token values (text pieces
+    that lack a key get 0 there) and, for a piece that shows images or videos, its vision tensors."""
+    ids = [int(t) for t in out["input_ids"][0]]
+    for key, value in out.items():
+        if key in _TEXT_KEYS:
+            continue
+        if key in TOKEN_VALUE_KEYS:
+            token_values.setdefault(key, [0] * len(input_ids)).extend(int(v) for v in value[0])
+        elif shows_media:
+            vision.setdefault(key, []).append(value)
+    input_ids += ids
+    for values in token_values.values():  # a key only some pieces return: text (0) elsewhere
+        values.extend([0] * (len(input_ids) - len(values)))
+    return ids
+
 class VLMEncoder:
     """Rows -> :class:`VLMFeature` with one processor (see the module doc)."""
 
@@ -181,28 +199,8 @@ class VLMEncoder:
             piece = full[start:end]
             if not piece:
                 continue
-            count = piece.count(self.marker)
-            if count > len(pending):
-                raise RowError(f"the text holds {self.marker!r}, the image marker of this model, where the row has no "
-                               "image: remove it from the text (images are image parts or <image> placeholders)")
-            paths, pending = pending[:count], pending[count:]
-            images = self.open_images(paths)
-            clips, pending_videos = self._split_videos(piece, pending_videos)
-            if clips:
-                out = self._process_with_videos(piece, images, paths, self.open_videos(clips))
-            else:
-                out = self._process(piece, images, paths)
-            ids = [int(t) for t in out["input_ids"][0]]
-            for key, value in out.items():
-                if key in _TEXT_KEYS:
-                    continue
-                if key in TOKEN_VALUE_KEYS:
-                    token_values.setdefault(key, [0] * len(input_ids)).extend(int(v) for v in value[0])
-                elif images or clips:
-                    vision.setdefault(key, []).append(value)
-            input_ids += ids
-            for values in token_values.values():  # a key only some pieces return: text (0) elsewhere
-                values.extend([0] * (len(input_ids) - len(values)))
+            out, shows_media, pending, pending_videos = self._piece_outputs(piece, pending, pending_videos)
+            ids = _collect(out, shows_media, input_ids, token_values, vision)
             labels += self._labels(ids) if k % 2 == 1 and k < 2 * len(spans) else [IGNORE_INDEX] * len(ids)
         if pending:
             raise RowError(f"{len(pending)} image(s) were not rendered by the chat template")
@@ -212,6 +210,23 @@ class VLMEncoder:
         labels = [IGNORE_INDEX if t in self.vision_ids else label for t, label in zip(input_ids, labels, strict=True)]
         stacked = {key: torch.cat(parts, dim=0) for key, parts in vision.items()}
         return self._truncate(VLMFeature(input_ids, labels, token_values, stacked, len(sample.images)), sample)
+
+    def _piece_outputs(self, piece: str, pending: list[str], pending_videos: list[Any]
+                       ) -> tuple[dict[str, Any], bool, list[str], list[Any]]:
+        """The processor's outputs for one piece of the rendered chat, whether it shows images or videos, and the
+        images and videos left for the later pieces."""
+        count = piece.count(self.marker)
+        if count > len(pending):
+            raise RowError(f"the text holds {self.marker!r}, the image marker of this model, where the row has no "
+                           "image: remove it from the text (images are image parts or <image> placeholders)")
+        paths, pending = pending[:count], pending[count:]
+        images = self.open_images(paths)
+        clips, pending_videos = self._split_videos(piece, pending_videos)
+        if clips:
+            out = self._process_with_videos(piece, images, paths, self.open_videos(clips))
+        else:
+            out = self._process(piece, images, paths)
+        return out, bool(images or clips), pending, pending_videos
 
     def _process_with_videos(self, text: str, images: list[Any], paths: list[str],
                              clips: list[tuple[list[Any], float]]) -> dict[str, Any]:
