@@ -47,3 +47,14 @@ class Command:
     def run(self, args: argparse.Namespace) -> int:
         """Do the work; return the exit status. A :class:`~twinkle_core.errors.ConfigError` exits with 2."""
         raise NotImplementedError(f"{type(self).__name__} does not implement run()")
+
+
+def take_recipe_overrides(args: argparse.Namespace, unparsed: list[str]) -> list[str]:
+    """:meth:`Command.take_unparsed` of a command with recipe overrides (``args.overrides``): ``KEY=VALUE`` items
+    may also come after options (``RECIPE --resume latest a.b=1``); the first other item is returned as an error."""
+    args.overrides = list(getattr(args, "overrides", []))
+    for item in unparsed:
+        if item.startswith("-") or "=" not in item:
+            return [item]
+        args.overrides.append(item)
+    return []

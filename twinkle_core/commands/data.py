@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from twinkle_core.commands import Command
+from twinkle_core.commands import Command, take_recipe_overrides
 from twinkle_core.errors import ConfigError
 
 COLORS = ("auto", "always", "never")
@@ -36,13 +36,7 @@ class DataCommand(Command):
                              help="colour the trained tokens: auto (on a terminal, default), always, never ([[ ]])")
 
     def take_unparsed(self, args: argparse.Namespace, unparsed: list[str]) -> list[str]:
-        # overrides may also come after options: preview RECIPE -n 2 a.b=1
-        args.overrides = list(getattr(args, "overrides", []))
-        for item in unparsed:
-            if item.startswith("-") or "=" not in item:
-                return [item]
-            args.overrides.append(item)
-        return []
+        return take_recipe_overrides(args, unparsed)
 
     def run(self, args: argparse.Namespace) -> int:
         from twinkle_core.commands.data_preview import load_preview, preview_lines

@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Any
 
-from twinkle_core.commands import Command
+from twinkle_core.commands import Command, take_recipe_overrides
 from twinkle_core.errors import ConfigError
 from twinkle_core.known_warnings import quiet_known_warnings
 from twinkle_core.launch import DEFAULT_RUNTIME, TrainJob, select_runtime
@@ -70,13 +70,7 @@ class TrainCommand(Command):
         return self.loaded_runtimes[0]
 
     def take_unparsed(self, args: argparse.Namespace, unparsed: list[str]) -> list[str]:
-        # overrides may also come after options: RECIPE --resume latest a.b=1
-        args.overrides = list(args.overrides)
-        for item in unparsed:
-            if item.startswith("-") or "=" not in item:
-                return [item]
-            args.overrides.append(item)
-        return []
+        return take_recipe_overrides(args, unparsed)
 
     def run(self, args: argparse.Namespace) -> int:
         from twinkle_core.train.logging import start_startup_timer

@@ -135,8 +135,9 @@ def _greedy_with_cache(gen: Any, input_ids: Any, attention_mask: Any, take: Any,
                          position_ids=mask.sum(-1, keepdim=True) - 1, **{cache_key: cache}, **extra)
 
 
-def _last_labelled_span(feature: InputFeature) -> tuple[int, int] | None:
-    labels = feature.labels
+def last_labelled_span(labels: Sequence[int]) -> tuple[int, int] | None:
+    """``(start, end)`` of the last run of labelled tokens (the last trained answer), or ``None`` when nothing is
+    labelled."""
     end = len(labels)
     while end > 0 and labels[end - 1] == IGNORE_INDEX:
         end -= 1
@@ -295,7 +296,7 @@ class CausalLMTask(Task):
             if isinstance(row, InputFeature):
                 if row.position_ids is not None:
                     raise ValueError("evaluate needs unpacked samples; load the held-out set with packing=False")
-                span = _last_labelled_span(row)
+                span = last_labelled_span(row.labels)
                 if span is None:
                     continue
                 start, end = span

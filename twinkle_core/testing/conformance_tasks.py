@@ -60,6 +60,21 @@ def _value_loss(outputs: dict[str, Any], inputs: dict[str, Any]) -> Any:
     return LossOutput(loss=(((values - 1.0) ** 2) * mask).sum(), num_tokens=mask.sum())
 
 
+def _assert_trains(model: Any, batch: dict[str, Any], loss: Any, logits: Any, message: str) -> None:
+    """Three AdamW steps on ``batch`` with ``loss`` lower it from its value on ``logits`` (the untrained outputs)."""
+    import torch
+
+    model.set_loss(loss)
+    model.set_optimizer("AdamW", lr=1e-2)
+    before = float(loss({"logits": logits}, batch).loss)
+    for _ in range(3):
+        model.forward_backward(inputs=batch)
+        model.clip_grad_and_step()
+    after = model.forward_only(inputs=batch)["logits"]
+    assert torch.isfinite(after).all()
+    assert float(loss({"logits": after}, batch).loss) < before, message
+
+
 class TaskContract:
     """Needs the suite's ``twinkle_factory`` fixture (``factory(seed=, task=)`` builds a model for the task).
 
@@ -97,23 +112,13 @@ class TaskContract:
         assert tuple(logits.shape) == (*batch["input_ids"].shape, CONFORMANCE_VOCAB_SIZE)
 
     def _check_token_value(self, model: Any) -> None:
-        import torch
 
         batch = local_rows(model, make_batch(51))
         values = model.forward_only(inputs=batch)["logits"]
         assert tuple(values.shape) == (*batch["input_ids"].shape, 1), "a token_value network has one output a token"
-        model.set_loss(_value_loss)
-        model.set_optimizer("AdamW", lr=1e-2)
-        before = float(_value_loss({"logits": values}, batch).loss)
-        for _ in range(3):
-            model.forward_backward(inputs=batch)
-            model.clip_grad_and_step()
-        after = model.forward_only(inputs=batch)["logits"]
-        assert torch.isfinite(after).all()
-        assert float(_value_loss({"logits": after}, batch).loss) < before, "the value head must train"
+        _assert_trains(model, batch, _value_loss, values, "the value head must train")
 
     def _check_sequence_score(self, model: Any) -> None:
-        import torch
 
         from twinkle_core.loss.base import LossOutput
 
@@ -126,15 +131,7 @@ class TaskContract:
 
         scores = model.forward_only(inputs=batch)["logits"]
         assert tuple(scores.shape) == (batch["input_ids"].shape[0], 1), "a sequence_score network has one output a row"
-        model.set_loss(score_loss)
-        model.set_optimizer("AdamW", lr=1e-2)
-        before = float(score_loss({"logits": scores}, batch).loss)
-        for _ in range(3):
-            model.forward_backward(inputs=batch)
-            model.clip_grad_and_step()
-        after = model.forward_only(inputs=batch)["logits"]
-        assert torch.isfinite(after).all()
-        assert float(score_loss({"logits": after}, batch).loss) < before, "the score head must train"
+        _assert_trains(model, batch, score_loss, scores, "the score head must train")
 
     def _check_encoder(self, model: Any) -> None:
         batch = local_rows(model, make_batch(52))

@@ -17,25 +17,13 @@ import torch
 
 from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.sampling import Completion
+from twinkle_core.tasks.causal_lm import last_labelled_span
 from twinkle_rl.experience import experience_batch
-
-
-def last_answer_span(labels: Sequence[int]) -> tuple[int, int] | None:
-    """``(start, end)`` of the last run of labelled tokens, or ``None`` when nothing is labelled."""
-    end = len(labels)
-    while end > 0 and labels[end - 1] == IGNORE_INDEX:
-        end -= 1
-    if end == 0:
-        return None
-    start = end
-    while start > 0 and labels[start - 1] != IGNORE_INDEX:
-        start -= 1
-    return start, end
 
 
 def split_feature(feature: Any) -> tuple[list[int], list[int]]:
     """``(prompt_ids, answer_ids)`` of a tokenised chat (an ``InputFeature``) with at least one labelled token."""
-    span = last_answer_span(feature.labels)
+    span = last_labelled_span(feature.labels)
     if span is None:
         raise ValueError("the feature has no labelled answer")
     start, end = span
@@ -63,4 +51,4 @@ def batch_prompts(batch: dict[str, Any]) -> list[list[int]]:
     return prompts
 
 
-__all__ = ["batch_prompts", "completion_batch", "last_answer_span", "split_feature"]
+__all__ = ["batch_prompts", "completion_batch", "split_feature"]

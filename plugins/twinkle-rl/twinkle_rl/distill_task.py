@@ -51,9 +51,9 @@ from twinkle_core.model.frozen import freeze
 from twinkle_core.model.train_configs import TrainingSetup
 from twinkle_core.sampling import SamplingParams, sample_seed
 from twinkle_core.task import Task
-from twinkle_core.tasks.causal_lm import CausalLMTask
+from twinkle_core.tasks.causal_lm import CausalLMTask, last_labelled_span
 from twinkle_rl.checks import finite_number, integer
-from twinkle_rl.distill_batches import batch_prompts, completion_batch, last_answer_span, split_feature
+from twinkle_rl.distill_batches import batch_prompts, completion_batch, split_feature
 
 logger = logging.getLogger("twinkle.rl")
 
@@ -144,7 +144,7 @@ class GKDTask(CausalLMTask):
             raise ConfigError("data.packing / data.streaming: the gkd task makes its own rows of prompt + "
                               "completion; remove them")
         features = [f for f in super().load_dataset(path, tokenizer, mode="chat", **data_options)
-                    if last_answer_span(f.labels) is not None]
+                    if last_labelled_span(f.labels) is not None]
         if not features:
             raise ConfigError(f"{path}: no row has an assistant answer left to distil (after data.max_length)")
         return features
