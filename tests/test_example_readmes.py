@@ -68,6 +68,12 @@ NOT_RUN = {
         "needs the full quickstart model (3 min of training)",
     "twinkle chat outputs/multi_tenant/tenant_reverse --prompt \"reverse: galaxy\"":
         "needs the full multi_tenant run",
+    "python examples/vlm/make_pairs.py":
+        "plugins/twinkle-vlm/tests/test_preference_quickstart.py::test_preference_quickstart_trains_two_steps_and_evaluates"
+        " runs it on 40 pairs",
+    "twinkle train examples/vlm/preference.yaml":
+        "plugins/twinkle-vlm/tests/test_preference_quickstart.py::test_preference_quickstart_trains_two_steps_and_evaluates"
+        " runs it at 2 steps",
     "twinkle train examples/pretrain/recipe.yaml": "tests/test_examples.py::test_pretrain[packed] runs it",
     "twinkle train examples/pretrain/recipe.yaml data.streaming=true data.packing=false":
         "tests/test_examples.py::test_pretrain[streaming] runs it",

@@ -31,6 +31,7 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("task", "embedding"): "twinkle-embedding",
     ("loss", "infonce"): "twinkle-embedding",
     ("task", "vlm"): "twinkle-vlm",
+    ("task", "vlm_preference"): "twinkle-vlm",
     ("task", "preference"): _RL,
     ("loss", "dpo"): _RL,
     ("loss", "simpo"): _RL,
