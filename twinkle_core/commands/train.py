@@ -193,6 +193,10 @@ def print_dry_run(recipe: Any, strategy: str, args: argparse.Namespace) -> None:
     where = f"{args.world_size} processes ({args.runtime})" if args.world_size is not None else "this process"
     chosen = "" if recipe.strategy.name else " (the default for this job)"
     print(f"# recipe OK; would train in {where} with strategy {strategy!r}{chosen}", file=sys.stderr)
+    from twinkle_core.memory_model import recipe_estimate_lines
+
+    for line in recipe_estimate_lines(recipe, strategy, args.world_size):  # why a long context needs cp / sp
+        print(f"# {line}", file=sys.stderr)
 
 
 def print_summary(summary: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from twinkle_backend_hf.sequence_parallel import ring_layout
-from twinkle_backend_hf.sequence_parallel.ulysses import sequence_ids
+from twinkle_backend_hf.sequence_parallel.ulysses import RING_INNER, sequence_ids
 from twinkle_core.errors import ConfigError
 
 
@@ -204,7 +204,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 # ====================================================================== transformers attention implementation
-RING_ATTENTION_NAME = "twinkle_ring"
+RING_ATTENTION_NAME = RING_INNER  # Ulysses wraps it under this name in the hybrid
 
 
 @dataclass

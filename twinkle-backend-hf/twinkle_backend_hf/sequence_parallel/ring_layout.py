@@ -10,6 +10,13 @@ Two layouts, for a sequence of ``L`` tokens over ``R`` ranks:
 The ring attention (:mod:`.ring_attention`) needs only the global token index of each local token,
 :func:`local_indices`, to apply the causal rule exactly; the helpers below shard and reassemble
 tensors along their sequence dimension in either layout.
+
+Hybrid (Ulysses inside a group x ring across groups): the ``W = cp * sp`` ranks that share rows are laid
+out ring-major, ``rank = c * sp + s``. Ring rank ``c`` owns its share of the sequence in the ring layout
+over ``cp`` ranks (:func:`local_indices`), and that share is cut contiguously into ``sp`` pieces, piece ``s``
+for rank ``c * sp + s`` (:func:`nested_indices`). Ulysses' all-to-all over the ``sp`` ranks of ring rank
+``c`` then reassembles exactly ring rank ``c``'s share, in order, which the ring attention expects.
+With ``sp = 1`` this is the ring layout, with ``cp = 1`` the contiguous one.
 """
 
 from __future__ import annotations
@@ -79,3 +86,33 @@ def causal_window(length: int, world: int, rank: int, source: int,
     rows = slice(int(torch.searchsorted(q_index, k_index[0])), None)
     cols = slice(0, int(torch.searchsorted(k_index, q_index[-1], right=True)))
     return rows, cols, q_index[rows], k_index[cols]
+
+
+def nested_multiple(world: int, ring: int, layout: str) -> int:
+    """The global length must be a multiple of this to split over ``world`` ranks, ``ring`` of them in the ring."""
+    return length_multiple(ring, layout) * (world // ring)
+
+
+def nested_indices(length: int, world: int, ring: int, rank: int, layout: str,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """The global indices (ascending) held by ``rank`` of ``world = ring * inner`` ranks laid out ring-major:
+    piece ``rank % inner`` of ring rank ``rank // inner``'s share in ``layout`` (see the module doc)."""
+    if ring < 1 or world % ring:
+        raise ConfigError(f"a ring of {ring} ranks does not divide the {world} ranks that share a sequence")
+    inner = world // ring
+    multiple = nested_multiple(world, ring, layout)
+    if length % multiple:
+        raise ConfigError(f"a sequence of {length} tokens cannot be split over {ring} ring x {inner} Ulysses "
+                          f"ranks in the {layout} layout: pad it to a multiple of {multiple}")
+    share = local_indices(length, ring, rank // inner, layout, device=device)
+    piece = share.numel() // inner
+    return share[(rank % inner) * piece: (rank % inner + 1) * piece]
+
+
+def unshard_nested(shards: list[torch.Tensor], ring: int, layout: str, dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's :func:`nested_indices` shard (in rank order)."""
+    world = len(shards)
+    joined = torch.cat(shards, dim=dim)
+    length = joined.shape[dim]
+    order = torch.cat([nested_indices(length, world, ring, r, layout, device=joined.device) for r in range(world)])
+    return joined.index_select(dim, torch.argsort(order))

@@ -1,4 +1,4 @@
-"""``SequenceParallelStrategy``: Ulysses sequence parallelism (``mesh.sp``) on top of DDP (``mesh.dp``).
+"""``SequenceParallelStrategy``: Ulysses (``mesh.sp``) and ring (``mesh.cp``) context parallelism on top of DDP.
 
 Ranks are laid out data-parallel-major: with ``DeviceMesh(dp=D, sp=P)`` ranks ``k*P .. k*P + P - 1``
 form SP group ``k``; they get the same rows (``dp_rank == k``, as the core computes it) and each
@@ -25,6 +25,16 @@ aligned with ``labels`` and shifted like them; see :func:`~.ulysses.shard_batch`
 (``ulysses``, the default, or ``ring``: ring attention over the ``sp`` group, :mod:`.ring_attention`, which has
 no head-count limit), ``ring_layout`` (``zigzag``, the default, or ``contiguous``; ``ring`` only), plus the
 ``ddp`` strategy's options.
+
+Hybrid (``mesh.cp`` beside ``mesh.sp``): ranks are laid out ``dp``-major, then ``cp``, then ``sp``; the
+``cp * sp`` ranks of one data-parallel index share rows and split every sequence (the *sequence group*,
+``sp_group``/``sp_size`` below, which the loss context, token counts and eval gathering use). Ring rank ``c``
+owns its zig-zag share over ``cp`` (``ring_layout``), cut contiguously over its ``sp`` ranks
+(:func:`~.ring_layout.nested_indices`). Attention is Ulysses' all-to-all over the ``sp`` ranks (sequence ->
+heads), ring attention over the ``cp`` ranks on the gathered share, and the all-to-all back. ``mesh: {cp: N}``
+alone is pure ring attention, the same as ``mesh: {sp: N}`` with ``cp_impl: ring``. Not supported: ``cp_impl:
+ring`` with both ``cp`` and ``sp`` > 1 (leave ``cp_impl`` at ``ulysses`` for the hybrid), an explicit
+``inner_attn_implementation`` with the ring, and FSDP for the data dimension (DDP only).
 """
 
 from __future__ import annotations
@@ -59,6 +69,19 @@ CP_IMPLS = ("ulysses", "ring")
 _check_layout = ring_layout.check_layout  # the keyword ``ring_layout`` shadows the module in ``__init__``
 
 
+def _own_group(dist: Any, members: list[range], rank: int) -> Any:
+    """Create a process group for every list in ``members`` (on every rank, in order: ``new_group`` is collective)
+    and return the one ``rank`` belongs to; ``None`` when the groups have one rank (nothing to communicate)."""
+    own = None
+    for ranks in members:
+        if len(ranks) < 2:
+            continue
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            own = group
+    return own
+
+
 class UlyssesModule(torch.nn.Module):
     """The strategy's wrapper: runs the (DDP-wrapped) model; gathers outputs in ``forward_only``."""
 
@@ -81,7 +104,8 @@ class UlyssesModule(torch.nn.Module):
                 gathered = ulysses.gather_sequence(value, strategy.sp_group, dim=1)
                 layout = strategy.layout
                 if layout != "contiguous":
-                    gathered = ring_layout.unshard_sequence(list(gathered.chunk(strategy.sp_size, dim=1)), layout)
+                    gathered = ring_layout.unshard_nested(list(gathered.chunk(strategy.sp_size, dim=1)),
+                                                          strategy.ring_size, layout)
                 out[key] = gathered[:, : info.length]
         return out
 
@@ -89,7 +113,7 @@ class UlyssesModule(torch.nn.Module):
 class SequenceParallelStrategy(DDPStrategy):
     name = "ulysses"
     averages_gradients = True
-    mesh_dimensions: ClassVar[tuple[str, ...]] = ("dp", "sp")
+    mesh_dimensions: ClassVar[tuple[str, ...]] = ("dp", "cp", "sp")
 
     def __init__(self, mesh: DeviceMesh | None = None, *, inner_attn_implementation: str | None = None,
                  pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX, gather_eval_outputs: bool = True,
@@ -109,8 +133,10 @@ class SequenceParallelStrategy(DDPStrategy):
                             shift_keys=tuple(shift_keys), cp_impl=cp_impl, ring_layout=ring_layout)
         self.sp_group: Any = None
         self._dp_group: Any = None
-        self.sp_size = 1
+        self.sp_size = 1  # ranks that split one sequence: cp * sp
         self.sp_rank = 0
+        # ranks of the ring attention (mesh.cp, or mesh.sp under cp_impl ring) and of Ulysses' all-to-all
+        self.ring_size, self.ulysses_size = (1, 1) if mesh is None else self.split_sizes(mesh, cp_impl)
         self.last_shard: ulysses.ShardInfo | None = None
 
     # ------------------------------------------------------------------ process groups
@@ -122,29 +148,41 @@ class SequenceParallelStrategy(DDPStrategy):
             self.mesh = DeviceMesh(sp=distributed.world_size())
         Strategy.setup(self, accelerator)
         check_mesh(self.name, self.mesh, self.mesh_dimensions)
-        sp, world, rank = self.mesh.sp, distributed.world_size(), distributed.rank()
-        self.sp_size, self.sp_rank = sp, rank % sp
-        self.sp_group = self._dp_group = None
-        if sp > 1:
-            for start in range(0, world, sp):  # every rank creates every group, in the same order
-                group = dist.new_group(list(range(start, start + sp)))
-                if start <= rank < start + sp:
-                    self.sp_group = group
-        if sp > 1 and self.dp_size > 1:
-            # The ranks that hold the same chunk of different rows: a loss gathering over the data-parallel
-            # ranks (in-batch negatives) must not see one row once per chunk, as it would over the world.
-            for chunk in range(sp):
-                group = dist.new_group(list(range(chunk, world, sp)))
-                if chunk == self.sp_rank:
-                    self._dp_group = group
-        ulysses.set_sequence_parallel_group(self.sp_group)
-        if self.options["cp_impl"] == "ring":
-            ring_attention.set_ring_group(self.sp_group, self.options["ring_layout"])
+        self.ring_size, self.ulysses_size = self.split_sizes(self.mesh, self.options["cp_impl"])
+        seq, world, rank = self.mesh.cp * self.mesh.sp, distributed.world_size(), distributed.rank()
+        self.sp_size, self.sp_rank = seq, rank % seq
+        # every rank creates every group, in the same order; ranks: dp-major, then ring, then Ulysses
+        starts = range(0, world, seq)
+        self.sp_group = _own_group(dist, [range(start, start + seq) for start in starts], rank)
+        inner = self.ulysses_size
+        ulysses_group = _own_group(dist, [range(start + c * inner, start + (c + 1) * inner)
+                                          for start in starts for c in range(self.ring_size)], rank)
+        ring_group = _own_group(dist, [range(start + s, start + seq, inner) for start in starts for s in range(inner)],
+                                rank)
+        # The ranks that hold the same chunk of different rows: a loss gathering over the data-parallel
+        # ranks (in-batch negatives) must not see one row once per chunk, as it would over the world.
+        self._dp_group = (_own_group(dist, [range(chunk, world, seq) for chunk in range(seq)], rank)
+                          if seq > 1 and self.dp_size > 1 else None)
+        ulysses.set_sequence_parallel_group(ulysses_group)
+        ring_attention.set_ring_group(ring_group, self.options["ring_layout"])
+
+    @staticmethod
+    def split_sizes(mesh: DeviceMesh, cp_impl: str) -> tuple[int, int]:
+        """``(ring ranks, Ulysses ranks)`` for ``mesh``: ``cp`` x ``sp``; under ``cp_impl: ring`` the one of them > 1
+        is the ring (``mesh: {sp: N}`` with ``cp_impl: ring`` is ``mesh: {cp: N}``)."""
+        if cp_impl != "ring":
+            return mesh.cp, mesh.sp
+        if mesh.cp > 1 and mesh.sp > 1:
+            raise ConfigError(f"strategy 'ulysses': cp_impl 'ring' runs ring attention over one dimension, but the mesh "
+                              f"has cp={mesh.cp} and sp={mesh.sp}; for Ulysses inside a group x ring across groups "
+                              f"leave cp_impl at 'ulysses' (the default)")
+        return mesh.cp * mesh.sp, 1
 
     @property
     def layout(self) -> str:
         """How the sequence is split over the ``sp`` group (see :mod:`.ring_layout`)."""
-        return self.options["ring_layout"] if self.options["cp_impl"] == "ring" else "contiguous"
+        ring = self.ring_size > 1 or self.options["cp_impl"] == "ring"
+        return self.options["ring_layout"] if ring else "contiguous"
 
     @property
     def dp_group(self) -> Any:
@@ -152,6 +190,7 @@ class SequenceParallelStrategy(DDPStrategy):
         return self._dp_group
 
     def loss_context(self) -> LossContext:
+        # the loss's sequence-sliced reductions run over every rank that holds a piece of the rows: cp * sp
         return dataclasses.replace(super().loss_context(), sp_group=self.sp_group, sp_size=self.sp_size)
 
     # ------------------------------------------------------------------ module
@@ -164,12 +203,7 @@ class SequenceParallelStrategy(DDPStrategy):
                 t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
             raise ConfigError("strategy 'ulysses' does not support sliding-window / non-full attention layers")
         current = config._attn_implementation
-        ring = self.options["cp_impl"] == "ring"
-        if ring:
-            name = ring_attention.register_ring_attention()
-        else:
-            name = ulysses.register_ulysses_attention(self.options["inner_attn_implementation"]
-                                                      or ulysses.inner_of(current))
+        name = self.attention_name(current)
         if current != name:
             model.set_attn_implementation(name)
         if model.config._attn_implementation != name:
@@ -177,8 +211,21 @@ class SequenceParallelStrategy(DDPStrategy):
                               f"AttentionInterface, so Ulysses sequence parallelism cannot be plugged in")
         heads = getattr(config, "num_attention_heads", None)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        if heads and not ring:
-            ulysses.kv_repeat_factor(heads, kv_heads, self.sp_size)  # fails early with a clear message
+        if heads and self.ulysses_size > 1:
+            ulysses.kv_repeat_factor(heads, kv_heads, self.ulysses_size)  # fails early with a clear message
+
+    def attention_name(self, current: str | None) -> str:
+        """Register the attention this mesh needs and return its name: Ulysses around the model's own (``current``)
+        or ``inner_attn_implementation``; ring attention; or Ulysses around the ring (the hybrid)."""
+        ring = self.ring_size > 1 or self.options["cp_impl"] == "ring"
+        if ring and self.options["inner_attn_implementation"] is not None:
+            raise ConfigError("strategy 'ulysses': inner_attn_implementation does not apply when ring attention runs "
+                              "(mesh cp > 1 or cp_impl 'ring'): ring attention computes the attention itself; drop it")
+        if not ring:
+            return ulysses.register_ulysses_attention(self.options["inner_attn_implementation"]
+                                                      or ulysses.inner_of(current))
+        name = ring_attention.register_ring_attention()
+        return ulysses.register_ulysses_attention(name) if self.ulysses_size > 1 else name
 
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if isinstance(module, UlyssesModule):
@@ -199,7 +246,8 @@ class SequenceParallelStrategy(DDPStrategy):
     def prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         sharded, self.last_shard = ulysses.shard_batch(
             inputs, self.sp_size, self.sp_rank, ignore_index=self.options["ignore_index"],
-            pad_token_id=self.options["pad_token_id"], shift_keys=self.options["shift_keys"], layout=self.layout)
+            pad_token_id=self.options["pad_token_id"], shift_keys=self.options["shift_keys"], layout=self.layout,
+            ring_size=self.ring_size)
         return sharded
 
     # ------------------------------------------------------------------ gradients
@@ -213,4 +261,5 @@ class SequenceParallelStrategy(DDPStrategy):
         return distributed.world_size()
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "sp_size": self.sp_size}
+        return {**super().describe(), "sp_size": self.sp_size, "ring_size": self.ring_size,
+                "ulysses_size": self.ulysses_size}

@@ -43,7 +43,8 @@ as a one-token sequence, while real tokens keep their positions.
 Inner functions: ``sdpa`` (tested); the flash-attention entries of the registry get the global
 ``position_ids`` (their varlen path finds the packed sequences there) instead of a mask, which is
 wired but untested here (no GPU). A model configured with ``eager`` gets ``sdpa`` inside, which
-computes the same attention.
+computes the same attention. ``twinkle_ring`` (the hybrid, :mod:`.ring_attention` over the ``cp`` group,
+tested) gets the ``sp``-gathered positions like the flash kernels.
 
 Not supported (errors are raised where they can be detected): padding *inside* a row (zeros
 between real tokens), 4-D custom masks, sliding-window layers, ``flex_attention`` as the inner
@@ -76,7 +77,10 @@ PAD_POSITION = -2
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
 #: loss-side keys whose ``[B, T]`` tensors are aligned with ``labels`` (not with the logits): shifted like them
 SHIFT_KEYS = ("labels", "advantages", "old_logps", "ref_logps", "loss_scale")
-SUPPORTED_INNER = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+#: the ring attention's registered name (:mod:`.ring_attention`): the inner function of the hybrid (Ulysses inside
+#: a group x ring across groups); like the flash kernels it takes packing from the global ``position_ids``
+RING_INNER = "twinkle_ring"
+SUPPORTED_INNER = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", RING_INNER)
 
 
 # ====================================================================== process group
@@ -293,7 +297,8 @@ def ulysses_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     key, value = _repeat_heads(key, factor), _repeat_heads(value, factor)
 
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    flash = inner.startswith("flash")  # varlen flash kernels take packing from position_ids, not a mask
+    # varlen flash kernels and the ring take packing from position_ids, not a mask
+    flash = inner.startswith("flash") or inner == RING_INNER
     local_pos = kwargs.pop("position_ids", None)
     if local_pos is None:
         mask = None
@@ -398,7 +403,7 @@ def _positions_from_mask(mask: torch.Tensor, positions: torch.Tensor) -> torch.T
 def shard_batch(batch: dict[str, Any], sp_size: int, sp_rank: int, *, ignore_index: int = IGNORE_INDEX,
                 pad_token_id: int = 0, model_keys: tuple[str, ...] = MODEL_KEYS,
                 shift_keys: tuple[str, ...] = SHIFT_KEYS,
-                layout: str = "contiguous") -> tuple[dict[str, Any], ShardInfo]:
+                layout: str = "contiguous", ring_size: int | None = None) -> tuple[dict[str, Any], ShardInfo]:
     """This SP rank's share of ``batch`` (every rank of the group passes the same batch).
 
     * ``labels`` ``[B, T]`` become ``shift_labels`` (``shift_labels[:, t] = labels[:, t + 1]``), shifted
@@ -406,7 +411,9 @@ def shard_batch(batch: dict[str, Any], sp_size: int, sp_rank: int, *, ignore_ind
       ``labels`` key is removed, so a loss that does not know ``shift_labels`` fails loudly instead of
       shifting each chunk on its own.
     * ``layout`` (:mod:`.ring_layout`): ``contiguous`` (Ulysses) keeps chunk ``sp_rank``; ``zigzag`` (ring
-      attention) keeps chunks ``sp_rank`` and ``2 sp - 1 - sp_rank`` of ``2 sp``.
+      attention) keeps chunks ``sp_rank`` and ``2 sp - 1 - sp_rank`` of ``2 sp``. ``ring_size`` (default
+      ``sp_size``: the whole group is the ring) nests the two for the hybrid (:func:`~.ring_layout.nested_indices`):
+      ``layout`` over ``ring_size`` ring ranks, each share cut contiguously over ``sp_size / ring_size`` ranks.
     * ``position_ids`` are the *global* positions (``arange`` when absent), so RoPE sees the right angles.
     * ``attention_mask`` is dropped (see the module doc: right padding needs nothing, left padding
       moves into ``position_ids``).
@@ -426,14 +433,15 @@ def shard_batch(batch: dict[str, Any], sp_size: int, sp_rank: int, *, ignore_ind
     if ref is None:
         raise ConfigError("sequence parallelism needs input_ids or inputs_embeds in the batch")
     rows, length = ref.shape[0], ref.shape[1]
-    multiple = ring_layout.length_multiple(sp_size, layout)
+    ring = sp_size if ring_size is None else ring_size
+    multiple = ring_layout.nested_multiple(sp_size, ring, layout)
     padded = -(-length // multiple) * multiple
     pad = padded - length
     info = ShardInfo(length=length, padded_length=padded, sp_size=sp_size, sp_rank=sp_rank)
     local = padded // sp_size
     chunk: slice | torch.Tensor = slice(sp_rank * local, (sp_rank + 1) * local)
     if layout != "contiguous":
-        chunk = ring_layout.local_indices(padded, sp_size, sp_rank, layout, device=ref.device)
+        chunk = ring_layout.nested_indices(padded, sp_size, ring, sp_rank, layout, device=ref.device)
     positions = _global_positions(batch, ref, rows, length, pad)
 
     out: dict[str, Any] = {}
