@@ -4,7 +4,8 @@ Contenders, both on the same 2 CPU ranks (gloo), in the same ``torchrun`` job:
 
 * ``megatron`` - ``MegatronModel`` (megatron-core ``GPTModel``), strategy ``megatron``, mesh ``tp=2``: every
   rank holds half of every weight matrix and computes the whole global batch; activations are
-  all-reduced inside every layer (and the logits gathered over the TP ranks);
+  all-reduced inside every layer; the loss takes each rank's vocabulary slice of the logits
+  (``--vocab-parallel-loss off``: the logits are gathered over the TP ranks first);
 * ``ddp``      - ``TransformersModel``, strategy ``ddp`` (torch ``DistributedDataParallel``): every rank
   holds the whole model and computes half of the global batch's rows; gradients are all-reduced
   (bucketed, overlapping the backward pass).
@@ -40,6 +41,7 @@ the max |difference| is recorded (the tests check 1e-5 on a tinier model, fp32).
 
     python bench/megatron_vs_ddp.py            # default (~1-2 min on 2 cores)
     python bench/megatron_vs_ddp.py --quick    # smoke run (< 1 min)
+    python bench/megatron_vs_ddp.py --vocab-parallel-loss off   # Megatron's loss on gathered logits
 
 Run without ``torchrun``: the script starts its own 2-rank ``torchrun`` job (gloo, 127.0.0.1) and
 records the machine's load around it. Each rank runs ``--threads`` torch threads (default 1: the 2
@@ -105,11 +107,12 @@ class Contender:
         return float(self.model.calculate_metric()["loss"])
 
 
-def build(name: str, seed: int) -> Contender:
+def build(name: str, seed: int, vocab_parallel_loss: bool = True) -> Contender:
     if name == "megatron":
         from twinkle_backend_megatron.model import MegatronModel
 
-        model = MegatronModel(config=dict(C.BENCH_MODEL), seed=seed, strategy="megatron", mesh={"tp": NPROC})
+        model = MegatronModel(config=dict(C.BENCH_MODEL), seed=seed, strategy="megatron", mesh={"tp": NPROC},
+                              strategy_options={"vocab_parallel_loss": vocab_parallel_loss})
     else:
         from twinkle_backend_hf.model import TransformersModel
 
@@ -217,7 +220,7 @@ def worker(args: argparse.Namespace) -> None:
 
     batches = make_batches(C.BENCH_MODEL, args.batch_size, args.seq_len, 4, args.seed)
     t0 = time.perf_counter()
-    contenders = [build("megatron", args.seed), build("ddp", args.seed)]
+    contenders = [build("megatron", args.seed, args.vocab_parallel_loss == "on"), build("ddp", args.seed)]
     build_s = time.perf_counter() - t0
     times: dict[str, list[float]] = {c.name: [] for c in contenders}
     losses: dict[str, list[float]] = {c.name: [] for c in contenders}
@@ -288,7 +291,8 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), os.path.abspath(__file__),
                "--worker", "--raw-out", raw_out, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
                "--pairs", str(args.pairs), "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps),
-               "--threads", str(args.threads), "--seed", str(args.seed)]
+               "--threads", str(args.threads), "--seed", str(args.seed),
+               "--vocab-parallel-loss", args.vocab_parallel_loss]
         env = {**os.environ, **thread_env(), "OMP_NUM_THREADS": str(args.threads),
                "MKL_NUM_THREADS": str(args.threads), "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false",
                "TWINKLE_SHARED_TMP": tmp, "TWINKLE_NO_PROGRESS": "1"}
@@ -308,6 +312,7 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
                      "profile_steps": args.profile_steps, "lr": LR, "weight_decay": WEIGHT_DECAY,
                      "max_grad_norm": MAX_GRAD_NORM, "seed": args.seed,
                      "megatron": "MegatronModel, strategy megatron, mesh {tp: 2}",
+                     "vocab_parallel_loss": args.vocab_parallel_loss,
                      "ddp": "TransformersModel, strategy ddp (2 data-parallel ranks)"},
         "model": {"config": C.BENCH_MODEL, "parameters": C.count_parameters(C.BENCH_MODEL)},
         "result": result,
@@ -351,6 +356,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--profile-steps", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the torchrun job is killed")
+    parser.add_argument("--vocab-parallel-loss", choices=("on", "off"), default="on",
+                        help="Megatron's strategy option vocab_parallel_loss: the loss on each rank's vocabulary "
+                             "slice (on, the default) or on the gathered logits (off, as before it existed)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--raw-out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pairs", type=int, default=None, help=argparse.SUPPRESS)

@@ -76,7 +76,10 @@ class LossMetric(Metric):
 
 
 class TokenAccuracy(Metric):
-    """Share of label tokens (``labels != -100``) that the argmax of the shifted logits predicts."""
+    """Share of label tokens (``labels != -100``) that the argmax of the shifted logits predicts.
+
+    Given a loss context with a ``vocab_shard`` (tensor-parallel logits, one vocabulary slice per rank), the
+    argmax is taken across the ranks (:func:`~twinkle_core.loss.vocab_parallel.vocab_parallel_argmax`)."""
 
     name = "accuracy"
 
@@ -84,13 +87,15 @@ class TokenAccuracy(Metric):
         self.correct = 0.0
         self.total = 0.0
 
-    def update(self, inputs: dict[str, Any], outputs: dict[str, Any], loss_output: Any) -> None:
+    def update(self, inputs: dict[str, Any], outputs: dict[str, Any], loss_output: Any, context: Any = None) -> None:
         logits = outputs.get("logits")
         if logits is None or (inputs.get("labels") is None and inputs.get("shift_labels") is None):
             return
         from twinkle_core.loss.logprobs import next_token_labels
+        from twinkle_core.loss.vocab_parallel import vocab_parallel_argmax
 
-        predicted = logits.argmax(-1)
+        shard = getattr(context, "vocab_shard", None)  # logits of this rank's vocabulary slice: argmax across ranks
+        predicted = logits.argmax(-1) if shard is None else vocab_parallel_argmax(logits, shard)
         target = next_token_labels(inputs, IGNORE_INDEX, predicted.device)
         mask = target != IGNORE_INDEX
         self.correct += float((predicted.eq(target) & mask).sum())

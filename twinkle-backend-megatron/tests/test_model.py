@@ -148,7 +148,7 @@ def test_clear_errors():
         make_tiny_model(mesh={"sp": 2})
     with pytest.raises(UnsupportedHardwareError, match="context parallelism"):
         make_tiny_model(mesh={"cp": 2})
-    with pytest.raises(UnsupportedHardwareError, match="sequence_parallel=True needs"):
+    with pytest.raises(ConfigError, match="sequence_parallel=True needs tensor parallelism"):
         make_tiny_model(strategy_options={"sequence_parallel": True})
     with pytest.raises(UnsupportedHardwareError, match="fp8"):
         make_tiny_model(precision="fp8")

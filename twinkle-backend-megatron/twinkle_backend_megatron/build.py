@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from twinkle_backend_megatron import convert, padding
+from twinkle_backend_megatron import convert, norms, padding
 from twinkle_backend_megatron import recompute as recompute_settings
 from twinkle_backend_megatron.forward import enable_position_ids
 from twinkle_backend_megatron.weights import ShardedWeights, chunks_of
@@ -111,7 +111,10 @@ def build_network(options: NetworkOptions, *, strategy: Any, device_type: str, s
     init_state = _hf_init_state(hf_config, options.trust_remote_code) if model_path is None else None
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     transformer_config = _transformer_config(options, hf_config, spec, strategy, device_type)
-    module = _gpt_chunks(transformer_config, hf_config, spec, strategy.mesh.vpp)
+    # with a vocabulary shard the head's logits stay split over the TP ranks (the losses take the softmax across
+    # them); without, every rank gets the gathered full vocabulary
+    parallel_output = strategy.vocab_shard(spec.vocab_size, spec.padded_vocab_size) is not None
+    module = _gpt_chunks(transformer_config, hf_config, spec, strategy.mesh.vpp, parallel_output)
     padding.block_padding_gradient(module, getattr(hf_config, "pad_token_id", None))
     weights = ShardedWeights(chunks_of(module), spec, strategy.mesh)
     if init_state is not None:
@@ -124,22 +127,29 @@ def build_network(options: NetworkOptions, *, strategy: Any, device_type: str, s
     return Network(module, hf_config, spec, transformer_config, model_path)
 
 
+def check_layout(spec: Any, mesh: Any, *, sequence_parallel: bool) -> None:
+    """Refuse a parallel layout this model cannot be built with (``spec``: :class:`convert.ModelSpec`)."""
+    if spec.num_layers % (mesh.pp * mesh.vpp):
+        raise ConfigError(f"{spec.num_layers} layers cannot be split evenly over pp={mesh.pp} x vpp={mesh.vpp} "
+                          f"pipeline stages")
+    if spec.num_experts:
+        if mesh.tp > 1 and not sequence_parallel:
+            # megatron-core's MoELayer.forward raises in training with TP > 1 and no sequence parallelism
+            raise ConfigError("a mixture-of-experts model with tensor parallelism (mesh.tp > 1) needs "
+                              "strategy.options.sequence_parallel=true: megatron-core's MoE layer trains only with "
+                              "sequence parallelism under TP")
+        if spec.num_experts % mesh.ep:
+            raise ConfigError(f"mesh.ep={mesh.ep} must divide the number of experts ({spec.num_experts})")
+    elif mesh.ep > 1:
+        raise ConfigError(f"mesh.ep={mesh.ep} needs a mixture-of-experts model; {spec.model_type} is dense")
+
+
 def _transformer_config(options: NetworkOptions, hf_config: Any, spec: convert.ModelSpec, strategy: Any,
                         device_type: str) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     mesh = strategy.mesh
-    if spec.num_layers % (mesh.pp * mesh.vpp):
-        raise ConfigError(f"{spec.num_layers} layers cannot be split evenly over pp={mesh.pp} x vpp={mesh.vpp} "
-                          f"pipeline stages")
-    if spec.num_experts:
-        if device_type == "cpu" and mesh.tp > 1:
-            raise UnsupportedHardwareError("MoE with tensor parallelism needs Transformer Engine / Apex on GPUs; "
-                                           "on CPU use mesh.ep for the experts and tp=1")
-        if spec.num_experts % mesh.ep:
-            raise ConfigError(f"mesh.ep={mesh.ep} must divide the number of experts ({spec.num_experts})")
-    elif mesh.ep > 1:
-        raise ConfigError(f"mesh.ep={mesh.ep} needs a mixture-of-experts model; {spec.model_type} is dense")
+    check_layout(spec, mesh, sequence_parallel=bool(strategy.options["sequence_parallel"]))
     kwargs = convert.transformer_config_kwargs(hf_config, spec)
     kwargs.update(
         tensor_model_parallel_size=mesh.tp, pipeline_model_parallel_size=mesh.pp,
@@ -162,7 +172,8 @@ def _transformer_config(options: NetworkOptions, hf_config: Any, spec: convert.M
     return TransformerConfig(**kwargs)
 
 
-def _gpt_chunks(transformer_config: Any, hf_config: Any, spec: convert.ModelSpec, vpp: int) -> torch.nn.Module:
+def _gpt_chunks(transformer_config: Any, hf_config: Any, spec: convert.ModelSpec, vpp: int,
+                parallel_output: bool) -> torch.nn.Module:
     """One ``GPTModel`` per virtual pipeline stage of this rank (a ``ModuleList`` when ``vpp > 1``)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -174,17 +185,27 @@ def _gpt_chunks(transformer_config: Any, hf_config: Any, spec: convert.ModelSpec
     for stage in range(vpp):
         vp_stage = stage if vpp > 1 else None
         chunk = GPTModel(
-            transformer_config, layer_spec, vocab_size=spec.padded_vocab_size,
+            transformer_config, _block_spec(transformer_config, layer_spec, vp_stage), vocab_size=spec.padded_vocab_size,
             max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            parallel_output=False, share_embeddings_and_output_weights=spec.tied,
+            parallel_output=parallel_output, share_embeddings_and_output_weights=spec.tied,
             position_embedding_type="rope", rotary_base=convert.rope_theta(hf_config),
             vp_stage=vp_stage)
         enable_position_ids(chunk)
         _mark_tensor_parallel(chunk)
         chunks.append(chunk)
     return chunks[0] if vpp == 1 else torch.nn.ModuleList(chunks)
+
+
+def _block_spec(transformer_config: Any, layer_spec: Any, vp_stage: int | None) -> Any:
+    """The layer spec as it is, or under sequence parallelism with norms that megatron-core's local spec refuses
+    there although they are correct (:mod:`.norms`)."""
+    if not transformer_config.sequence_parallel:
+        return layer_spec
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    return norms.with_sequence_parallel_norms(layer_spec, get_num_layers_to_build(transformer_config, vp_stage))
 
 
 def _hf_init_state(hf_config: Any, trust_remote_code: bool) -> dict[str, torch.Tensor]:

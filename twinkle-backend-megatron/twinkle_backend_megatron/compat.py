@@ -30,9 +30,10 @@ exactly as shipped. Every patch is scoped to megatron-core:
    stream setting) once per rank; there is no CUDA stream on CPU, so the advice is marked as given (megatron's
    own ``warned`` flag) instead of being printed by every rank.
 
-Anything else CUDA-only (sequence parallel and MoE with TP > 1 need Transformer Engine or Apex
-norms; the all-to-all MoE dispatcher needs CUDA streams; fp8) is refused up front by the model with
-a clear error instead of being patched.
+Anything else CUDA-only (context parallelism needs Transformer Engine attention; the all-to-all MoE
+dispatcher needs CUDA streams; fp8) is refused up front by the model with a clear error instead of being
+patched. Sequence parallelism is not CUDA-only: megatron-core's local spec only lacks a norm that allows it,
+which :mod:`twinkle_backend_megatron.norms` provides.
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ Tensor parallelism, consistent with the base layer's sharding:
 * row-parallel layers (input split over TP): ``A`` [r, in/tp] is split by columns, the partial
   ``x_t A_t^T`` is summed over TP ranks (``reduce_from_tensor_model_parallel_region``) and ``B``
   [out, r] is replicated;
-* the LM head (``output_layer``, whose logits the model gathers over TP ranks): ``A`` and ``B`` [vocab, r]
-  are replicated and every rank adds the whole delta to the gathered logits (zero on Megatron's padding
-  rows of the vocabulary).
+* the LM head (``output_layer``): ``A`` and ``B`` [vocab, r] are replicated; on gathered logits every rank adds
+  the whole delta (zero on Megatron's padding rows of the vocabulary), on logits split over the TP ranks (the
+  vocabulary-parallel loss) each rank adds its rows' share and the gradients are summed over the ranks
+  (:meth:`LoraProjection.sliced_delta`).
 
 The adapters hang under each adapted layer as ``<layer>.lora.<adapter>.<projection>.lora_A/B`` and add
 their delta through a forward hook, for the adapter the model has made active only.
@@ -148,6 +149,23 @@ class LoraProjection(torch.nn.Module):
             h = reduce_from_tensor_model_parallel_region(h)
         return torch.nn.functional.linear(h, self.lora_B.to(x.dtype)) * self.scaling
 
+    def sliced_delta(self, x: torch.Tensor, width: int) -> torch.Tensor:
+        """The LM head's delta on this TP rank's ``width`` rows of the padded vocabulary only (the logits stay split
+        over the ranks under the vocabulary-parallel loss), zero on padding rows; the whole ``[tokens, vocab]``
+        delta never exists.
+
+        ``A`` and ``B`` are replicated, but each rank's slice gives them only its share of the gradient: the
+        identity-forward, all-reduce-backward ``copy_to_tensor_model_parallel_region`` on ``A x`` and on ``B`` sums
+        those shares, so every rank gets the gradients of the whole delta (and ``x`` that of ``A x``)."""
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        start = self.tp_rank * width
+        h = copy_to_tensor_model_parallel_region(
+            torch.nn.functional.linear(self.dropout(x), self.lora_A.to(x.dtype)))
+        rows = copy_to_tensor_model_parallel_region(self.lora_B)[start : start + width]
+        delta = torch.nn.functional.linear(h, rows.to(x.dtype)) * self.scaling
+        return torch.nn.functional.pad(delta, (0, width - delta.shape[-1]))
+
 
 class ActiveAdapter:
     """Which adapter the layers' hooks apply (``None``: the base model)."""
@@ -168,8 +186,7 @@ def _combine(kind: str, deltas: list[torch.Tensor], groups: int, width: int) -> 
     if kind == "head":  # the gathered logits of Megatron's padded vocabulary: its padding rows get no delta
         pad = width - deltas[0].shape[-1]
         if pad < 0:
-            raise ConfigError(f"LoRA on the LM head needs the full (gathered) logits, got {width} of "
-                              f"{deltas[0].shape[-1]} columns; build the GPTModel with parallel_output=False")
+            raise ConfigError(f"LoRA on the LM head got a {deltas[0].shape[-1]}-row delta for {width} logits")
         return torch.nn.functional.pad(deltas[0], (0, pad))
     return deltas[0]
 
@@ -186,13 +203,21 @@ class LayerAdapters:
         self.layer = layer
         self.handle = layer.register_forward_hook(self._hook, with_kwargs=True)
 
+    def _deltas(self, entry: Any, x: torch.Tensor, out_width: int) -> list[torch.Tensor | None]:
+        """Each projection's delta (``None`` where the adapter leaves it out); on the head's logits split over the
+        TP ranks (``out_width`` below the vocabulary), only this rank's rows."""
+        sliced = self.kind == "head" and out_width < self.projections[0].out_features
+        return [None if p.short_name not in entry else
+                entry[p.short_name].sliced_delta(x, out_width) if sliced else entry[p.short_name].delta(x)
+                for p in self.projections]
+
     def _hook(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         name = self.active.name
         if name is None or name not in module.lora:
             return output
         entry = module.lora[name]
         x = args[0] if args else kwargs["input_"]
-        deltas = [entry[p.short_name].delta(x) if p.short_name in entry else None for p in self.projections]
+        deltas = self._deltas(entry, x, (output[0] if isinstance(output, tuple) else output).shape[-1])
         if all(d is None for d in deltas):
             return output
         out, bias = output if isinstance(output, tuple) else (output, None)

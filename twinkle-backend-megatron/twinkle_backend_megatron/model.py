@@ -10,7 +10,12 @@ losses by name / class / instance / callable, optimizers and schedulers by name,
 normalisation by the global token count, checkpoints, metrics — applies unchanged; this class adds
 how the network is built, run, converted and written:
 
-* the logits a loss sees are the full vocabulary (gathered over TP ranks);
+* with ``tp > 1`` the logits a loss (and a metric) sees are this rank's slice of the vocabulary, with
+  ``LossContext.vocab_shard`` saying which (the strategy option ``vocab_parallel_loss``, on by default; see
+  :mod:`twinkle_core.loss.vocab_parallel`): no rank holds ``[tokens, vocab]``. ``forward_backward`` computes
+  its loss that way (the ``logits`` it returns are that slice); ``forward`` and ``forward_only`` return the full
+  vocabulary, gathered over the TP ranks (a loss on them, ``calculate_loss``, then gets no shard), as does
+  everything with ``vocab_parallel_loss=False`` or ``tp == 1``;
 * ``get_state_dict()`` returns full Hugging Face tensors (``model.layers.0.self_attn.q_proj.weight`` ...)
   on every rank, and ``save()`` writes a safetensors directory that
   ``transformers.AutoModelForCausalLM.from_pretrained`` loads as is;
@@ -29,7 +34,10 @@ the core's public :class:`~twinkle_core.model.step_context.StepContext`).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,6 +49,7 @@ from twinkle_backend_megatron.export import MegatronExporter, read_adapter
 from twinkle_backend_megatron.forward import call_chunk, pipeline_error
 from twinkle_backend_megatron.lora import target_modules
 from twinkle_backend_megatron.pipeline import MegatronPipeline, metrics_from_last_stage
+from twinkle_backend_megatron.sequence_padding import trim_sequences
 from twinkle_backend_megatron.weights import ShardedWeights, chunks_of
 from twinkle_core.loss.base import LossOutput
 from twinkle_core.model.base import TwinkleModel
@@ -68,6 +77,8 @@ class MegatronModel(TorchTwinkleModel):
             recompute=recompute, transformer_config=transformer_config, attn_implementation=attn_implementation,
             gradient_checkpointing=gradient_checkpointing, precision=kwargs.get("precision", "no"))
         self.model_id, self.recompute = model_id, self.network_options.recompute
+        self.vocab_shard = None  # this rank's vocabulary slice of the logits under the vocabulary-parallel loss
+        self._gather_logits = False  # forward / forward_only hand their callers the full vocabulary
         super().__init__(strategy=strategy, **kwargs)
 
     @classmethod
@@ -109,6 +120,9 @@ class MegatronModel(TorchTwinkleModel):
                                 device_type=self.accelerator.device_type, seed=self.seed)
         self.hf_config, self.spec, self.model_path = network.hf_config, network.spec, network.model_path
         self.transformer_config = network.transformer_config
+        self.vocab_shard = self.strategy.vocab_shard(network.spec.vocab_size, network.spec.padded_vocab_size)
+        self.whole_vocabulary_context = self.loss_context
+        self.vocab_parallel_context = dataclasses.replace(self.loss_context, vocab_shard=self.vocab_shard)
         self.lora_adapters = MegatronAdapters(network.module, network.spec, seed=self.seed, pp=self.mesh.pp,
                                               sequence_parallel=bool(self.strategy.options["sequence_parallel"]))
         return network.module
@@ -166,12 +180,28 @@ class MegatronModel(TorchTwinkleModel):
         if self.pp_size > 1:
             raise pipeline_error("forward", self.pp_size)
         logits = call_chunk(module, inputs, self.strategy.unwrap_module)
+        if self.vocab_shard is not None:
+            if not self._gather_logits:
+                return {"logits": logits}  # this rank's vocabulary slice, for the vocabulary-parallel losses
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+            logits = gather_from_tensor_model_parallel_region(logits)
         return {"logits": logits[..., : self.spec.vocab_size]}
 
     def forward(self, *, inputs: dict[str, Any], adapter_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
         if self.pp_size > 1:
             raise pipeline_error("forward", self.pp_size)
-        return super().forward(inputs=inputs, adapter_name=adapter_name, **kwargs)
+        with self._whole_logits():
+            return super().forward(inputs=inputs, adapter_name=adapter_name, **kwargs)
+
+    @contextlib.contextmanager
+    def _whole_logits(self) -> Iterator[None]:
+        """Hand the caller the full vocabulary (gathered over the TP ranks) from the forwards inside."""
+        self._gather_logits = True
+        try:
+            yield
+        finally:
+            self._gather_logits = False
 
     def backward(self, *, loss: Any = None, adapter_name: str | None = None, **kwargs: Any) -> None:
         if self.pp_size > 1:
@@ -182,7 +212,17 @@ class MegatronModel(TorchTwinkleModel):
                        adapter_name: str | None = None, **kwargs: Any) -> LossOutput:
         if self.pp_size > 1 and (inputs is None or outputs is None):
             raise pipeline_error("calculate_loss", self.pp_size)
+        self.loss_context = self._loss_context_for(self.train_state(adapter_name).last_outputs if outputs is None
+                                                   else outputs)
         return super().calculate_loss(inputs=inputs, outputs=outputs, adapter_name=adapter_name, **kwargs)
+
+    def _loss_context_for(self, outputs: dict[str, Any] | None) -> Any:
+        """The context with the vocabulary shard for logits that are this rank's slice (``forward_backward``'s),
+        without it for the whole vocabulary (``forward`` / ``forward_only`` gather theirs): a slice is
+        ``padded / tp`` wide, never ``vocab_size``."""
+        logits = (outputs or {}).get("logits")
+        sliced = self.vocab_shard is not None and logits is not None and logits.shape[-1] == self.vocab_shard.width
+        return self.vocab_parallel_context if sliced else self.whole_vocabulary_context
 
     @trains  # the pipeline path below trains without going through the core's forward_backward
     def forward_backward(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
@@ -194,16 +234,22 @@ class MegatronModel(TorchTwinkleModel):
 
     def forward_only(self, *, inputs: dict[str, Any], adapter_name: str | None = None,
                      disable_adapters: bool = False, **kwargs: Any) -> dict[str, Any]:
+        """As the core's; under sequence parallelism the outputs are cut back to the caller's sequence length."""
+        length = inputs["input_ids"].shape[1]
         if self.pp_size == 1:
-            return super().forward_only(inputs=inputs, adapter_name=adapter_name, disable_adapters=disable_adapters,
-                                        **kwargs)
-        self.check_inputs(inputs, call="forward_only")
-        step = self.step_context(adapter_name, disable_adapters=disable_adapters)
-        return self._pipeline().run(step, inputs, forward_only=True)
+            with self._whole_logits():
+                outputs = super().forward_only(inputs=inputs, adapter_name=adapter_name,
+                                               disable_adapters=disable_adapters, **kwargs)
+        else:
+            self.check_inputs(inputs, call="forward_only")
+            step = self.step_context(adapter_name, disable_adapters=disable_adapters)
+            outputs = self._pipeline().run(step, inputs, forward_only=True)
+        multiple = self.strategy.sequence_multiple
+        return trim_sequences(outputs, -(-length // multiple) * multiple, length)
 
     def _pipeline(self) -> MegatronPipeline:
         return MegatronPipeline(self.chunks, strategy=self.strategy, vocab_size=self.spec.vocab_size, task=self.task,
-                                loss_context=self.loss_context, unwrap=self.strategy.unwrap_module)
+                                loss_context=self.vocab_parallel_context, unwrap=self.strategy.unwrap_module)
 
     def calculate_metric(self, *, adapter_name: str | None = None, reset: bool = True) -> dict[str, float]:
         compute = functools.partial(super().calculate_metric, adapter_name=adapter_name, reset=reset)

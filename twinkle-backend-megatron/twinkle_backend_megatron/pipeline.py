@@ -27,7 +27,8 @@ class MegatronPipeline:
     """megatron-core's schedule over one batch for a model's ``chunks``, run with the step's state and adapter.
 
     ``task`` turns logits into the task's outputs, ``loss_context`` is what the model hands its losses, and
-    ``unwrap`` gives the ``GPTModel`` inside a chunk as the strategy wrapped it.
+    ``unwrap`` gives the ``GPTModel`` inside a chunk as the strategy wrapped it. With a ``loss_context.vocab_shard``
+    the last stage's output is this rank's vocabulary slice: the losses take it as is, ``forward_only`` gathers it.
     """
 
     def __init__(self, chunks: list[Any], *, strategy: Any, vocab_size: int, task: Any, loss_context: Any,
@@ -74,7 +75,9 @@ class MegatronPipeline:
             batch = next(data_iterator)
 
             def loss_func(output_tensor: torch.Tensor) -> Any:
-                logits = output_tensor[..., :vocab]
+                logits = output_tensor
+                if forward_only or self.loss_context.vocab_shard is None:
+                    logits = _whole_vocabulary(output_tensor, self.loss_context.vocab_shard)[..., :vocab]
                 if forward_only:  # the task sees the whole batch once the logits reached every stage
                     scored.append(({"logits": logits.detach()}, None))
                     return output_tensor.sum() * 0.0, torch.tensor(0, dtype=torch.int), {}
@@ -198,3 +201,12 @@ def _mean_metrics(results: list[LossOutput]) -> dict[str, float]:
         for key, value in result.metrics.items():
             values.setdefault(key, []).append(float(value))
     return {key: sum(v) / len(v) for key, v in values.items()}
+
+
+def _whole_vocabulary(logits: torch.Tensor, shard: Any) -> torch.Tensor:
+    """``logits``, gathered over the tensor-parallel ranks when they are this rank's vocabulary ``shard``."""
+    if shard is None:
+        return logits
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(logits)

@@ -25,6 +25,10 @@ Options:
   reduce-scatter over the data-parallel ranks) and the optimizer state and fp32 main weights are
   sharded over them (ZeRO-1). Adam / AdamW only (megatron-core's restriction), full fine-tuning only;
   clipping and the norm use megatron-core's sharded implementation and agree with the default path.
+* ``vocab_parallel_loss`` (default ``True``; only matters with ``tp > 1``) — the LM head keeps its logits split
+  over the TP ranks and the losses get this rank's vocabulary slice (``LossContext.vocab_shard``, see
+  :mod:`twinkle_core.loss.vocab_parallel`): no rank holds ``[tokens, vocab]``. ``False`` gathers the full logits
+  first (what a loss that needs whole distributions, e.g. ``gkd``, or LoRA on the LM head requires).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from twinkle_backend_megatron import sequence_padding
 from twinkle_backend_megatron.weights import chunks_of
 from twinkle_core import distributed
 from twinkle_core.capabilities import check_mesh
@@ -47,7 +52,8 @@ if TYPE_CHECKING:
     from twinkle_core.accelerator import Accelerator
     from twinkle_core.precision import Precision
 
-_KNOWN_OPTIONS = ("num_microbatches", "batch_p2p_comm", "sequence_parallel", "distributed_optimizer")
+_KNOWN_OPTIONS = ("num_microbatches", "batch_p2p_comm", "sequence_parallel", "distributed_optimizer",
+                  "vocab_parallel_loss")
 
 #: mesh dimensions Megatron has no counterpart for, and what to use instead (the core's capability check
 #: shows these in place of its generic refusal)
@@ -104,7 +110,8 @@ class MegatronStrategy(Strategy):
 
     def __init__(self, mesh: DeviceMesh | None = None, *, precision: Precision | None = None,
                  num_microbatches: int | None = None, batch_p2p_comm: bool | None = None,
-                 sequence_parallel: bool = False, distributed_optimizer: bool = False, **options: Any) -> None:
+                 sequence_parallel: bool = False, distributed_optimizer: bool = False,
+                 vocab_parallel_loss: bool = True, **options: Any) -> None:
         if options:
             raise ConfigError(f"strategy 'megatron' got unknown option(s) {sorted(options)}; known: "
                               f"{', '.join(_KNOWN_OPTIONS)}")
@@ -113,7 +120,8 @@ class MegatronStrategy(Strategy):
         if mesh is not None:
             check_mesh(self.name, mesh, self.mesh_dimensions, self.dimension_notes)
         super().__init__(mesh, precision=precision, num_microbatches=num_microbatches, batch_p2p_comm=batch_p2p_comm,
-                         sequence_parallel=sequence_parallel, distributed_optimizer=distributed_optimizer)
+                         sequence_parallel=sequence_parallel, distributed_optimizer=distributed_optimizer,
+                         vocab_parallel_loss=bool(vocab_parallel_loss))
         self.cpu_layer = False
 
     # ------------------------------------------------------------------ process groups
@@ -132,12 +140,13 @@ class MegatronStrategy(Strategy):
         mesh = self.mesh
         on_cpu = accelerator.device_type == "cpu"
         if on_cpu and mesh.cp > 1:
-            raise UnsupportedHardwareError("context parallelism (mesh.cp > 1) in megatron-core needs Transformer Engine "
-                                           "attention on GPUs; it cannot run on CPU")
+            raise UnsupportedHardwareError(
+                "context parallelism (mesh.cp > 1) on the Megatron backend needs Transformer Engine attention on "
+                "GPUs: megatron-core's local attention (DotProductAttention in "
+                "megatron/core/transformer/dot_product_attention.py) asserts context_parallel_size == 1, and only "
+                "TEDotProductAttention splits the sequence. On CPU use the HF backend's ring attention (strategy "
+                "'ulysses' with cp_impl: ring), or sequence_parallel=true with mesh.tp > 1 here")
         if self.options["sequence_parallel"]:
-            if on_cpu:
-                raise UnsupportedHardwareError("sequence_parallel=True needs Transformer Engine or Apex norms on GPUs; "
-                                               "it cannot run on CPU")
             if mesh.tp == 1:
                 raise ConfigError("sequence_parallel=True needs tensor parallelism (mesh.tp > 1)")
         mesh.validate(world)
@@ -179,9 +188,36 @@ class MegatronStrategy(Strategy):
 
         return ps.get_data_parallel_group()
 
+    def vocab_shard(self, vocab_size: int, padded_vocab_size: int) -> Any:
+        """This rank's :class:`~twinkle_core.loss.vocab_parallel.VocabShard` of a ``padded_vocab_size`` LM head,
+        or ``None`` when the losses get the whole (gathered) logits: ``mesh.tp == 1`` or the option
+        ``vocab_parallel_loss=False``. With a shard the head keeps its output split over the TP ranks
+        (``parallel_output=True``) and the losses take the softmax across them, so no rank holds
+        ``[tokens, vocab]``."""
+        if self.mesh is None or self.mesh.tp == 1 or not self.options["vocab_parallel_loss"]:
+            return None
+        from megatron.core import parallel_state as ps
+
+        from twinkle_core.loss.vocab_parallel import VocabShard
+
+        width = padded_vocab_size // self.mesh.tp
+        start = ps.get_tensor_model_parallel_rank() * width
+        return VocabShard(start=start, end=start + width, vocab_size=vocab_size,
+                          group=ps.get_tensor_model_parallel_group())
+
     @property
     def num_microbatches(self) -> int:
         return self.options["num_microbatches"] or self.mesh.pp
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What every sequence length must divide by: ``tp`` under sequence parallelism (the sequence is split
+        over the TP ranks), else 1."""
+        return self.mesh.tp if self.options["sequence_parallel"] else 1
+
+    def prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Sequences right-padded to :attr:`sequence_multiple` (:mod:`.sequence_padding`; nothing real changes)."""
+        return sequence_padding.pad_sequences(inputs, self.sequence_multiple)[0]
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "cpu_compat_layer": self.cpu_layer}

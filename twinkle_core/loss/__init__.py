@@ -23,6 +23,11 @@ temperature, come from :func:`twinkle_core.loss.logprobs.token_logprobs` (with e
 :func:`~twinkle_core.loss.logprobs.tempered_token_logprobs`). Labels equal to
 :data:`twinkle_core.constants.IGNORE_INDEX` are not scored. A plugin's loss checks its inputs with the
 helpers the built-in ones use (:mod:`twinkle_core.loss.helpers`).
+
+Under tensor parallelism a backend may hand the losses only this rank's vocabulary slice of the logits
+(``LossContext.vocab_shard``, Megatron by default): cross entropy, the log-prob functions (so the RL losses) and
+token accuracy then reduce across the ranks (:mod:`twinkle_core.loss.vocab_parallel`); ``gkd`` and the fused LM
+head refuse it with a ``ConfigError`` naming the option that turns it off.
 """
 
 from twinkle_core.loss.base import CallableLoss, Loss, LossContext, LossOutput

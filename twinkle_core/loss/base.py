@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
+    from twinkle_core.loss.vocab_parallel import VocabShard
+
 
 @dataclass
 class LossOutput:
@@ -44,6 +46,12 @@ class LossContext:
     samples across the global batch (InfoNCE's in-batch negatives) gathers over ``dp_group``; one that
     scores a sequence sliced over ranks (Ulysses) reduces over ``sp_group``. ``None`` groups mean "the
     whole world" for data parallelism and "not sliced" for sequence parallelism.
+
+    ``vocab_shard`` (a :class:`~twinkle_core.loss.vocab_parallel.VocabShard`: ``start``, ``end``, the real
+    ``vocab_size`` and the tensor-parallel ``group``) says that ``outputs["logits"]`` hold only this rank's slice
+    ``start:end`` of the (padded) vocabulary: the built-in losses then take the softmax across the group without
+    ever gathering ``[tokens, vocab]`` (:mod:`twinkle_core.loss.vocab_parallel`), and a loss that needs whole
+    distributions raises a ``ConfigError``. ``None`` (the default): the logits are the full vocabulary.
     """
 
     dp_group: Any = None
@@ -51,6 +59,12 @@ class LossContext:
     dp_rank: int = 0
     sp_group: Any = None
     sp_size: int = 1
+    vocab_shard: VocabShard | None = None
+
+
+def vocab_shard_of(context: LossContext | None) -> VocabShard | None:
+    """The context's vocabulary shard, or ``None`` (no context, or full-vocabulary logits)."""
+    return None if context is None else context.vocab_shard
 
 
 class Loss(ABC):

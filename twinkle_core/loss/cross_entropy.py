@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
-from twinkle_core.loss.base import Loss, LossContext, LossOutput
+from twinkle_core.loss.base import Loss, LossContext, LossOutput, vocab_shard_of
 from twinkle_core.loss.fused_head import linear_cross_entropy
 from twinkle_core.loss.helpers import check_reduction
 from twinkle_core.loss.logprobs import (
@@ -18,6 +18,7 @@ from twinkle_core.loss.logprobs import (
     label_logprobs,
     next_token_labels,
 )
+from twinkle_core.loss.vocab_parallel import refuse_vocab_shard
 
 #: vocabularies from this size on get the fused LM head by default (``lm_head="auto"``): there the logits
 #: dominate a step's memory (Mistral's 32,768 and up; Qwen's 151,936 at 2,048 tokens are 1.2 GB in float32)
@@ -46,6 +47,10 @@ class CrossEntropyLoss(Loss):
     head's weight instead of logits when the vocabulary has at least ``FUSED_HEAD_MIN_VOCAB`` entries, and the
     loss applies the head chunk by chunk (:mod:`twinkle_core.loss.fused_head`: the ``[N, V]`` logits never
     exist, same value and gradients); ``fused`` does so at any vocabulary size; ``logits`` never.
+
+    With ``context.vocab_shard`` (a tensor-parallel head's vocabulary slice, see
+    :mod:`twinkle_core.loss.vocab_parallel`) the logits are this rank's slice and the loss is the chunked one
+    taken across the tensor-parallel group: same value and gradients, no rank holds ``[N, V]``.
     """
 
     name: ClassVar[str] = "cross_entropy"
@@ -64,6 +69,14 @@ class CrossEntropyLoss(Loss):
     def fuses_lm_head(self, vocab_size: int) -> bool:
         return self.lm_head == "fused" or (self.lm_head == "auto" and vocab_size >= FUSED_HEAD_MIN_VOCAB)
 
+    def _chunked_loss(self, logits: torch.Tensor, inputs: dict[str, Any], shard: Any, chunk_size: int) -> LossOutput:
+        """The chunked loss; with a ``shard``, from this rank's vocabulary slice (collective over its group)."""
+        labels = next_token_labels(inputs, self.ignore_index, logits.device)
+        label_lp, mean_lp = label_logprobs(logits, labels, self.ignore_index, chunk_size, vocab_shard=shard)
+        eps = self.label_smoothing
+        total = -label_lp.sum() if eps == 0.0 else -(1.0 - eps) * label_lp.sum() - eps * mean_lp.sum()
+        return _finish(total, (labels != self.ignore_index).sum(), self.reduction)
+
     def _fused(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> LossOutput:
         hidden = outputs["hidden_states"]
         if isinstance(hidden, (tuple, list)):
@@ -76,8 +89,12 @@ class CrossEntropyLoss(Loss):
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
                  context: LossContext | None = None) -> LossOutput:
         if outputs.get("logits") is None and outputs.get("lm_head_weight") is not None:
+            # the fused head applies a whole [V, H] weight; no backend hands it a vocabulary slice of one
+            refuse_vocab_shard(vocab_shard_of(context), self.where, "applies a whole LM head weight (lm_head='fused')")
             return self._fused(outputs, inputs)
         logits = outputs["logits"]
+        if vocab_shard_of(context) is not None:
+            return self._chunked_loss(logits, inputs, context.vocab_shard, DEFAULT_CHUNK_SIZE)
         labels = next_token_labels(inputs, self.ignore_index, logits.device).reshape(-1)
         total = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).to(acc_dtype(logits.dtype)),
@@ -131,9 +148,6 @@ class ChunkedCrossEntropyLoss(CrossEntropyLoss):
                     "ChunkedCrossEntropyLoss needs outputs['logits'], or outputs['hidden_states'] "
                     "with outputs['lm_head_weight']"
                 )
+            refuse_vocab_shard(vocab_shard_of(context), self.where, "applies a whole LM head weight (lm_head='fused')")
             return self._fused(outputs, inputs)
-        labels = next_token_labels(inputs, self.ignore_index, logits.device)
-        label_lp, mean_lp = label_logprobs(logits, labels, self.ignore_index, self.chunk_size)
-        eps = self.label_smoothing
-        total = -label_lp.sum() if eps == 0.0 else -(1.0 - eps) * label_lp.sum() - eps * mean_lp.sum()
-        return _finish(total, (labels != self.ignore_index).sum(), self.reduction)
+        return self._chunked_loss(logits, inputs, vocab_shard_of(context), self.chunk_size)

@@ -8,9 +8,10 @@ from typing import Any, ClassVar
 import torch
 
 from twinkle_core.constants import IGNORE_INDEX
-from twinkle_core.loss.base import Loss, LossContext, LossOutput
+from twinkle_core.loss.base import Loss, LossContext, LossOutput, vocab_shard_of
 from twinkle_core.loss.helpers import require, scalar
 from twinkle_core.loss.logprobs import acc_dtype, next_token_labels
+from twinkle_core.loss.vocab_parallel import refuse_vocab_shard
 
 
 def _kl(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -70,6 +71,8 @@ class GKDLoss(Loss):
 
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
                  context: LossContext | None = None) -> LossOutput:
+        refuse_vocab_shard(vocab_shard_of(context), self.where, "compares whole next-token distributions with the "
+                           "teacher's")
         logits = outputs["logits"]
         teacher = require(inputs, "teacher_logits", "GKDLoss", "inputs").to(logits.device).detach()
         if teacher.shape != logits.shape:

@@ -283,20 +283,28 @@ class _LinearLabelLogProbs(torch.autograd.Function):
 
 def label_logprobs(
     logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
-    chunk_size: int = DEFAULT_CHUNK_SIZE, *, temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE, *, temperature: float = 1.0, vocab_shard: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position ``(log p(label), mean_v log p(v))`` in :func:`acc_dtype`, shaped like ``labels``, with
     ``p = softmax(logits / temperature)``.
 
-    No shift here: ``logits[..., i, :]`` scores ``labels[..., i]``. Ignored positions are 0.
+    No shift here: ``logits[..., i, :]`` scores ``labels[..., i]``. Ignored positions are 0. With a
+    ``vocab_shard`` (:class:`~twinkle_core.loss.vocab_parallel.VocabShard`, from ``LossContext.vocab_shard``)
+    ``logits`` are this rank's slice of the vocabulary and the softmax is taken across its group.
     """
-    label_lp, mean_lp, _ = _chunked_scores(logits, labels, ignore_index, chunk_size, temperature, False)
+    label_lp, mean_lp, _ = _chunked_scores(logits, labels, ignore_index, chunk_size, temperature, False, vocab_shard)
     return label_lp, mean_lp
 
 
 def _chunked_scores(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, chunk_size: int,
-                    temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    temperature: float, with_entropy: bool,
+                    vocab_shard: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_options(chunk_size, temperature)
+    if vocab_shard is not None:
+        # imported here: vocab_parallel builds on this module's helpers
+        from twinkle_core.loss.vocab_parallel import vocab_parallel_scores
+
+        return vocab_parallel_scores(logits, labels, vocab_shard, ignore_index, chunk_size, temperature, with_entropy)
     vocab = logits.shape[-1]
     flat_labels = labels.reshape(-1).to(device=logits.device, dtype=torch.long)
     scores = _LabelLogProbs.apply(logits.reshape(-1, vocab), flat_labels, ignore_index, chunk_size,
@@ -323,7 +331,7 @@ def linear_label_logprobs(
 
 def token_logprobs(
     logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
-    chunk_size: int = DEFAULT_CHUNK_SIZE, *, temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE, *, temperature: float = 1.0, vocab_shard: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shifted per-token log-probabilities of the labels.
 
@@ -331,13 +339,16 @@ def token_logprobs(
         logits: ``[B, T, V]``.
         labels: ``[B, T]``, aligned with ``input_ids``.
         temperature: score under ``softmax(logits / temperature)`` (the sampling temperature of a rollout).
+        vocab_shard: ``LossContext.vocab_shard`` when ``logits`` are this rank's vocabulary slice (see
+            :func:`label_logprobs`).
 
     Returns:
         ``(logps, mask)``, both ``[B, T - 1]``: ``logps[:, t] = log softmax(logits[:, t])[labels[:, t + 1]]``
         in :func:`acc_dtype` (0 where masked) and ``mask`` the boolean ``labels[:, 1:] != ignore_index``.
     """
     shifted = shift_labels(labels.to(logits.device), ignore_index)
-    logps, _ = label_logprobs(logits, shifted, ignore_index, chunk_size, temperature=temperature)
+    logps, _ = label_logprobs(logits, shifted, ignore_index, chunk_size, temperature=temperature,
+                              vocab_shard=vocab_shard)
     return logps[..., :-1], shifted[..., :-1] != ignore_index
 
 
@@ -351,13 +362,14 @@ class TokenLogprobs(NamedTuple):
 
 
 def tempered_token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                            ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE) -> TokenLogprobs:
+                            ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                            vocab_shard: Any = None) -> TokenLogprobs:
     """Shifted ``log softmax(logits / temperature)[label]`` and entropies, ``[B, T - 1]`` in float32 (or 64).
 
     Args:
-        logits: ``[B, T, V]``.
+        logits: ``[B, T, V]`` (``[B, T, V / tp]`` with a ``vocab_shard``, see :func:`label_logprobs`).
         labels: ``[B, T]``, aligned with ``input_ids``; ``ignore_index`` marks positions not scored.
     """
     shifted = shift_labels(labels.to(logits.device), ignore_index)
-    logps, _, entropy = _chunked_scores(logits, shifted, ignore_index, chunk_size, temperature, True)
+    logps, _, entropy = _chunked_scores(logits, shifted, ignore_index, chunk_size, temperature, True, vocab_shard)
     return TokenLogprobs(logps[..., :-1], entropy[..., :-1], shifted[..., :-1] != ignore_index)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twinkle_core.errors import ConfigError
-from twinkle_core.loss.base import LossContext, LossOutput
+from twinkle_core.loss.base import LossContext, LossOutput, accepts_context
 
 
 @dataclass
@@ -85,7 +85,11 @@ class TrainState:
         if not isinstance(result, LossOutput):
             raise TypeError(f"loss {self.loss!r} returned {type(result).__name__}; expected LossOutput")
         for metric in self.metrics:
-            metric.update(inputs, outputs, result)
+            # a metric reading logits may need the context's vocabulary shard (TokenAccuracy under TP)
+            if context is not None and accepts_context(metric.update):
+                metric.update(inputs, outputs, result, context=context)
+            else:
+                metric.update(inputs, outputs, result)
         return result
 
     def record_backward(self, tokens: Any) -> None:

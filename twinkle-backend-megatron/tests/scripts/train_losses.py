@@ -33,7 +33,7 @@ def one_run(spec: dict) -> dict:
         model.add_adapter_to_model(adapter, {**copy.deepcopy(LORA_CONFIG),
                                              "target_modules": spec.get("lora_targets") or LORA_CONFIG["target_modules"]})
         model.load(spec["lora"], adapter_name=adapter)
-    result = loop.run(model, adapter_name=adapter)
+    result = loop.run(model, adapter_name=adapter, length=spec.get("length"))
     if spec.get("pp_errors"):
         errors = {}
         for method, call in (("forward", lambda: model.forward(inputs=make_batch(0))),

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
-from twinkle_core.loss.base import LossContext, require_whole_sequences
+from twinkle_core.loss.base import LossContext, require_whole_sequences, vocab_shard_of
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
 from twinkle_rl import layout
 from twinkle_rl.checks import finite_number
@@ -90,7 +90,8 @@ class PreferenceLoss(TokenScoringLoss):
         """Sum and length of every answer under the policy, per pair; errors for batches a pair loss cannot use."""
         require_whole_sequences(inputs, self.where, context)
         pairs = layout.pairs(inputs, self.where)
-        logps, mask = token_logprobs(outputs["logits"], inputs["labels"], self.ignore_index, self.chunk_size)
+        logps, mask = token_logprobs(outputs["logits"], inputs["labels"], self.ignore_index, self.chunk_size,
+                                     vocab_shard=vocab_shard_of(context))
         sums, counts = layout.sequence_sums(logps, mask, inputs, 2 * len(pairs))
         empty = (counts == 0).nonzero().flatten().tolist()
         if empty:

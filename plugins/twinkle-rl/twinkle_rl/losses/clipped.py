@@ -28,7 +28,7 @@ import torch
 
 from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.data.collate import is_packed_batch
-from twinkle_core.loss.base import LossContext, require_whole_sequences
+from twinkle_core.loss.base import LossContext, require_whole_sequences, vocab_shard_of
 from twinkle_core.loss.helpers import align_to_shifted, require, scalar
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, tempered_token_logprobs
 from twinkle_rl.checks import finite_number
@@ -101,7 +101,8 @@ class PolicyLoss(TokenScoringLoss):
         if self.per_sequence:
             self.require_one_sequence_per_row(inputs)
         scored = tempered_token_logprobs(outputs["logits"], inputs["labels"], temperature=self.temperature,
-                                         ignore_index=self.ignore_index, chunk_size=self.chunk_size)
+                                         ignore_index=self.ignore_index, chunk_size=self.chunk_size,
+                                         vocab_shard=vocab_shard_of(context))
         logps, mask = scored.logps, scored.mask
         zeros = torch.zeros_like(logps)
         old = self.token_input(inputs, "old_logps", logps) if inputs.get("old_logps") is not None else logps.detach()
