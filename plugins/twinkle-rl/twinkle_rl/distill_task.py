@@ -61,6 +61,8 @@ logger = logging.getLogger("twinkle.rl")
 SOURCES = ("student", "teacher", "data")
 #: the ``causal_lm`` task's data options this task also takes from ``task_options`` (``mode`` must be chat)
 DATA_OPTIONS = ("max_length", "mode", "truncation", "template", "columns")
+#: the batch key (and ``InputFeature.extra`` key) of each row's index in the training data: seeds its samples
+ROW_INDEX = "row_index"
 
 
 class TeacherTask(Task):
@@ -147,11 +149,16 @@ class GKDTask(CausalLMTask):
                     if last_labelled_span(f.labels) is not None]
         if not features:
             raise ConfigError(f"{path}: no row has an assistant answer left to distil (after data.max_length)")
+        for index, feature in enumerate(features):  # seeds the row's sampled completions, wherever it is dealt
+            feature.extra[ROW_INDEX] = index
         return features
 
     def collate(self, features: list[Any]) -> dict[str, Any]:
         prompts, answers = zip(*(split_feature(f) for f in features), strict=True)
-        return completion_batch(prompts, answers, pad_token_id=self.pad_token_id)
+        batch = completion_batch(prompts, answers, pad_token_id=self.pad_token_id)
+        if all(ROW_INDEX in f.extra for f in features):
+            batch[ROW_INDEX] = torch.tensor([f.extra[ROW_INDEX] for f in features], dtype=torch.long)
+        return batch
 
     # ------------------------------------------------------------------ the teacher
     def prepare_model(self, model: Any) -> None:
@@ -216,10 +223,15 @@ class GKDTask(CausalLMTask):
             self.samplers[source] = sampler
         return self.samplers[source]
 
-    def sample_completions(self, source: str, model: Any, prompts: list[list[int]], index: int) -> list[list[int]]:
-        """One completion of each prompt from ``source`` (student or teacher), seeded by batch and row."""
+    def sample_completions(self, source: str, model: Any, prompts: list[list[int]], index: int,
+                           rows: list[int] | None = None) -> list[list[int]]:
+        """One completion of each prompt from ``source`` (student or teacher), seeded by the batch and the row's
+        index in the data set (``rows``; default its place in the batch): a row gets the same completion whichever
+        rank it is dealt to and wherever in the batch it lies, so 2 ranks sample what one process does."""
         params = SamplingParams(**{**self.params.__dict__, "stop_token_ids": tuple(sorted(self.template.end_of_turn_ids))})
-        seeds = [[sample_seed(self.seed, index, row)] for row in range(len(prompts))]
+        rows = list(range(len(prompts))) if rows is None else rows
+        # the coordinates of twinkle_core.sampling.sample_seed: (batch, prompt index, sample index 0 of n=1)
+        seeds = [[sample_seed(self.seed, index, row, 0)] for row in rows]
         started = time.perf_counter()
         groups = self._sampler(source, model).sample(prompts, n=1, params=params, seeds=seeds)
         self.generation_time_s += time.perf_counter() - started
@@ -231,9 +243,12 @@ class GKDTask(CausalLMTask):
         source = self.source_of_batch(index)
         self.counts[source] += 1
         if source != "data":
-            prompts = batch_prompts(batch)
-            completions = self.sample_completions(source, model, prompts, index)
+            prompts, rows = batch_prompts(batch), batch.get(ROW_INDEX)
+            rows = None if rows is None else [int(r) for r in rows]
+            completions = self.sample_completions(source, model, prompts, index, rows)
             batch = completion_batch(prompts, completions, pad_token_id=self.pad_token_id)
+            if rows is not None:
+                batch[ROW_INDEX] = torch.tensor(rows, dtype=torch.long)
         return self.prepare_batch(model, batch)
 
     def after_step(self, model: Any, *, step: int) -> None:
@@ -264,4 +279,4 @@ class GKDTask(CausalLMTask):
         self.samplers = {}
 
 
-__all__ = ["DATA_OPTIONS", "SOURCES", "GKDTask", "TeacherTask", "vocabulary_size"]
+__all__ = ["DATA_OPTIONS", "ROW_INDEX", "SOURCES", "GKDTask", "TeacherTask", "vocabulary_size"]
