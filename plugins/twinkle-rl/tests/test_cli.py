@@ -141,4 +141,4 @@ def test_a_preference_loss_on_an_sft_task_is_refused_before_anything_is_built(tm
     with pytest.raises(ConfigError) as info:
         validate_components(recipe)
     assert str(info.value) == ("loss.name: the loss 'dpo' needs batches with preference_pairs, which the task "
-                               "'causal_lm' does not produce; use task: 'preference'")
+                               "'causal_lm' does not produce; use task: 'preference' or 'vlm_preference'")
