@@ -74,6 +74,12 @@ NOT_RUN = {
     "twinkle train examples/vlm/preference.yaml":
         "plugins/twinkle-vlm/tests/test_preference_quickstart.py::test_preference_quickstart_trains_two_steps_and_evaluates"
         " runs it at 2 steps",
+    "python examples/vlm/make_videos.py":
+        "plugins/twinkle-vlm/tests/test_video_quickstart.py::test_video_quickstart_trains_two_steps_and_evaluates"
+        " runs it on 24 clips",
+    "twinkle train examples/vlm/video.yaml":
+        "plugins/twinkle-vlm/tests/test_video_quickstart.py::test_video_quickstart_trains_two_steps_and_evaluates"
+        " runs it at 2 steps",
     "twinkle train examples/pretrain/recipe.yaml": "tests/test_examples.py::test_pretrain[packed] runs it",
     "twinkle train examples/pretrain/recipe.yaml data.streaming=true data.packing=false":
         "tests/test_examples.py::test_pretrain[streaming] runs it",

@@ -78,6 +78,24 @@ def _image_runs(token_types: Any, kind: int | None = None) -> int:
     return int(marked[:1].sum()) + int(torch.count_nonzero(starts))
 
 
+def _video_token_counts(grids: Any, token_types: Any) -> list[int]:
+    """How many tokens each video of a batch has: ``t * h * w / merge_size**2``, the merge read off the batch (all its
+    video tokens over all its grid cells; truncation never cuts a video). A video is one run of tokens (Qwen2-VL) or
+    one run per temporal patch (Qwen3-VL), so its tokens, not its runs, say where it ends."""
+    cells = [int(grid.prod()) for grid in grids]
+    merge = sum(cells) // max(1, int((token_types == 2).sum()))
+    return [c // max(1, merge) for c in cells]
+
+
+def _videos_in(tokens: int, counts: Sequence[int]) -> int:
+    """How many of the next videos (of ``counts`` tokens each) make up ``tokens`` video tokens."""
+    taken = 0
+    while tokens > 0 and taken < len(counts):
+        tokens -= counts[taken]
+        taken += 1
+    return taken
+
+
 def _segments(text_positions: Any) -> list[tuple[int, int]]:
     starts = [int(i) for i in (text_positions == 0).nonzero().flatten()] or [0]
     if starts[0] != 0:
@@ -104,6 +122,7 @@ def multimodal_position_ids(rope_index: Callable[..., Any], batch: dict[str, Any
                                   attention_mask=batch["attention_mask"], **video)
         return positions
     text = batch["position_ids"]
+    video_tokens = _video_token_counts(video_grids, token_types) if video else []
     rows = []
     used = used_videos = 0  # images (videos) are stacked in row-major sample order, the order of the placeholders
     for row in range(input_ids.shape[0]):
@@ -114,7 +133,7 @@ def multimodal_position_ids(rope_index: Callable[..., Any], batch: dict[str, Any
             used += count
             own_video = {}
             if video:
-                videos = _image_runs(token_types[row, start:end], 2)
+                videos = _videos_in(int((token_types[row, start:end] == 2).sum()), video_tokens[used_videos:])
                 own_video = {k: v[used_videos:used_videos + videos] for k, v in video.items()} if videos else {}
                 used_videos += videos
             positions, _ = rope_index(input_ids=input_ids[row:row + 1, start:end],

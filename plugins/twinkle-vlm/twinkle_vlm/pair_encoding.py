@@ -3,7 +3,8 @@
 A row is a text preference row (:mod:`twinkle_rl.rows`: ``messages`` / ``prompt``, ``system``, ``chosen``,
 ``rejected``, ``margin``) whose prompt messages may show images the way the ``vlm`` task's rows do
 (:mod:`twinkle_vlm.data`: typed ``{"type": "image", "image": path}`` parts, or ``<image>`` placeholders with an
-``images`` list)::
+``images`` list; videos likewise, ``{"type": "video", "video": path}`` parts or ``<video>`` with a ``videos`` list, on
+the families that take video: :mod:`twinkle_vlm.videos`)::
 
     {"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png"},
                                                {"type": "text", "text": "What colour is the shape?"}]}],
@@ -35,8 +36,9 @@ from twinkle_core.data.loading import load_records
 from twinkle_core.errors import DataFormatError
 from twinkle_vlm.collate import VLMFeature, collate_vlm
 from twinkle_vlm.data import VLMDataError, VLMSample, parse_row
-from twinkle_vlm.images import image_problem
+from twinkle_vlm.images import DEFAULT_MAX_IMAGE_PIXELS, image_problem
 from twinkle_vlm.task import VLMEncoder
+from twinkle_vlm.videos import video_problem
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +183,13 @@ def read_pairs(path: str | os.PathLike[str] | Iterable[Any], *, image_root: Any 
                                                size_refusal=size_refusal)
             if checked[image] is not None:
                 problems.append((source, line, str(checked[image])))
+        for clip in pair.chosen.videos:  # the prompt's videos: both chats share them
+            key = "\n".join(clip) if isinstance(clip, list) else clip  # a frame list: all its paths
+            if key not in checked:
+                checked[key] = video_problem(clip, root=image_root, max_image_pixels=max_image_pixels
+                                             or DEFAULT_MAX_IMAGE_PIXELS)
+            if checked[key] is not None:
+                problems.append((source, line, str(checked[key])))
         for sample in (pair.chosen, pair.rejected):
             sample.source, sample.line = source, line
         pairs.append(pair)

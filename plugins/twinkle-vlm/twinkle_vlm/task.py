@@ -20,9 +20,10 @@ header declares more pixels are refused before decoding; default PIL's own limit
 (every image must resolve inside this directory; default: none, any readable path). The data check before
 training also refuses image sizes the model's image processor refuses (Qwen2-VL family: aspect ratio over 200),
 from the headers alone, so a bad image is reported as ``file:line`` instead of failing inside the processor.
-Videos (Qwen2-VL, Qwen2.5-VL; :mod:`twinkle_vlm.videos`): ``video_fps`` (frames sampled per second, default 2),
-``video_max_frames`` (default 768) and ``video_max_pixels`` (per frame; default the image ``max_pixels``); each video
-part expands into its ``<|video_pad|>`` run, masked like image tokens.
+Videos (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5; :mod:`twinkle_vlm.videos`): ``video_fps`` (frames sampled per
+second, default 2), ``video_max_frames`` (default 768) and ``video_max_pixels`` (per frame; default the image
+``max_pixels``); each video part expands into its ``<|video_pad|>`` run (Qwen3-VL: one timestamped run per temporal
+patch), masked like image tokens.
 """
 
 from __future__ import annotations
@@ -235,12 +236,12 @@ class VLMEncoder:
         becomes its clip's run of video tokens (special tokens split the text the same way: same ids)."""
         import torch
 
-        counts, video_tensors = self.video.runs(clips)
+        segments, counts, video_tensors = self.video.expand(text, clips)  # Qwen3-VL: per-frame-group timestamps
         video_id = self.processor.tokenizer.convert_tokens_to_ids(self.video.marker)
         ids: list[int] = []
         image_outputs: dict[str, list[Any]] = {}
         used = 0
-        for k, segment in enumerate(text.split(self.video.marker)):
+        for k, segment in enumerate(segments):
             count = segment.count(self.marker)
             out = self._process(segment, images[used:used + count], paths[used:used + count])
             used += count

@@ -17,14 +17,21 @@ and lies inside ``image_root`` when set; a frame's or the stream's ``width x hei
 ``max_image_pixels`` (read from the header before any pixel is decoded); frames of one video share one size; a file
 has a video stream whose first frame decodes.
 
-Tensors (:class:`VideoEncoder`): only the Qwen2-VL family's Qwen2-VL and Qwen2.5-VL take video here
-(:data:`VIDEO_PROCESSOR_CLASSES`). Their processor's video processor needs torchvision; where it is installed it
+Tensors (:class:`VideoEncoder`): Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense and MoE) and Qwen3.5 take video here
+(:data:`VIDEO_PROCESSOR_CLASSES`; InternVL and Gemma 3 rows with a video are refused with the reason). Their
+processor's video processor needs torchvision; where it is installed it
 makes ``pixel_values_videos`` / ``video_grid_thw``. Without torchvision (this project's CPU machines) every frame
 goes through the model's own image processor (its resize, rescale and normalisation, the rules it applies to images)
 and the frames are grouped into temporal patches of ``temporal_patch_size`` exactly as the video processor's
 ``patchify`` does (the last frame repeated to fill the last patch). Each video's ``<|video_pad|>`` is expanded to
 ``t * h * w / merge_size**2`` tokens and marked as video (2) in ``mm_token_type_ids``; Qwen2.5-VL also gets
 ``second_per_grid_ts`` (``temporal_patch_size / fps``, the temporal spacing of its RoPE positions).
+
+Qwen3-VL's processor (also Qwen3.5's) writes a video differently: the chat template's
+``<|vision_start|><|video_pad|><|vision_end|>`` becomes one ``<t seconds><|vision_start|><|video_pad|>*n<|vision_end|>``
+group per temporal patch, ``t`` the mean time of the patch's first and last frame (frame ``i`` at ``i / fps``,
+:func:`frame_group_times`), and its model's ``get_rope_index`` gives each group its own (1, h, w) grid with the
+timestamp text between them: time is in the text, not in the positions. :meth:`VideoEncoder.expand` writes that text.
 """
 
 from __future__ import annotations
@@ -46,8 +53,12 @@ DEFAULT_VIDEO_FPS = 2.0
 DEFAULT_VIDEO_MAX_FRAMES = 768
 #: the files of a frame directory that are frames
 FRAME_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-#: processor classes whose model takes video here -> their model type
-VIDEO_PROCESSOR_CLASSES = {"Qwen2VLProcessor": "qwen2_vl", "Qwen2_5_VLProcessor": "qwen2_5_vl"}
+#: processor classes whose model takes video here -> their model types
+VIDEO_PROCESSOR_CLASSES = {"Qwen2VLProcessor": "qwen2_vl", "Qwen2_5_VLProcessor": "qwen2_5_vl",
+                           "Qwen3VLProcessor": "qwen3_vl / qwen3_vl_moe / qwen3_5"}
+#: processor classes that write a video as one ``<t seconds><|vision_start|>...<|vision_end|>`` group per temporal
+#: patch (Qwen3-VL's processor; its model's ``get_rope_index`` splits ``video_grid_thw`` the same way)
+TIMESTAMPED_PROCESSOR_CLASSES = frozenset({"Qwen3VLProcessor"})
 
 #: a video as a row names it (absolute paths): a file or directory path, or a list of frame paths
 VideoSource = str | list[str]
@@ -206,6 +217,15 @@ def video_refusal(processor: Any) -> str | None:
             f"models only (this model's processor is {name}); remove the video or train one of those families")
 
 
+def frame_group_times(num_frames: int, fps: float, temporal_patch_size: int) -> list[float]:
+    """The time in seconds of each temporal patch of ``num_frames`` frames taken at ``fps`` (the mean of its first and
+    last frame's time, the last frame repeated to a whole patch): Qwen3-VL's processor's rule for frames
+    ``0 .. num_frames - 1`` at ``fps``."""
+    times = [i / fps for i in range(num_frames)]
+    times += [times[-1]] * (-num_frames % temporal_patch_size)
+    return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
+
+
 def patchify_frames(frames: Any, patch_size: int, merge_size: int, temporal_patch_size: int) -> tuple[Any, list[int]]:
     """``frames`` ``[T, C, H, W]`` (normalised) -> ``([grid_t * grid_h * grid_w, C * temporal * patch**2], [t, h, w])``
     in the order of transformers' ``Qwen2VLVideoProcessor.patchify`` (the last frame repeated to a whole temporal
@@ -231,6 +251,12 @@ class VideoEncoder:
         self.refusal = video_refusal(processor)
         #: what the chat template writes once per video part
         self.marker = getattr(processor, "video_token", None) or "<|video_pad|>"
+        #: Qwen3-VL's layout: the template's ``<|vision_start|><|video_pad|><|vision_end|>`` becomes one
+        #: ``<t seconds><|vision_start|><|video_pad|>*n<|vision_end|>`` group per temporal patch
+        self.timestamped = type(processor).__name__ in TIMESTAMPED_PROCESSOR_CLASSES
+        start = getattr(processor, "vision_start_token", None) or "<|vision_start|>"
+        end = getattr(processor, "vision_end_token", None) or "<|vision_end|>"
+        self.wrapper, self.group = start + self.marker + end, (start, end)
 
     def _frames_tensor(self, frames: Sequence[Any]) -> Any:
         """The frames resized, rescaled and normalised by the image processor's own methods, ``[T, C, H, W]``."""
@@ -279,8 +305,38 @@ class VideoEncoder:
         merge = self.processor.image_processor.merge_size ** 2
         return [int(grid.prod()) // merge for grid in tensors["video_grid_thw"]], tensors
 
+    def _expansion(self, tokens: int, grid: Any, clip: tuple[list[Any], float]) -> str:
+        """The text one video marker becomes (``tokens`` video tokens over ``grid``, of ``clip``'s frames)."""
+        if not self.timestamped:
+            return self.marker * tokens
+        frames, fps = clip
+        video_processor = getattr(self.processor, "video_processor", None)
+        temporal = (video_processor or self.processor.image_processor).temporal_patch_size
+        start, end = self.group
+        per_group = tokens // int(grid[0])
+        return "".join(f"<{t:.1f} seconds>{start}{self.marker * per_group}{end}"
+                       for t in frame_group_times(len(frames), fps, temporal))
+
+    def expand(self, text: str, clips: Sequence[tuple[list[Any], float]]
+               ) -> tuple[list[str], list[int], dict[str, Any]]:
+        """``text`` (one video marker per clip, in order) with every marker expanded as the processor expands it:
+        the text segments between the runs of video tokens, the length of each run (one fewer than the segments)
+        and the clips' tensors. The segments hold no video token, so they tokenise as the expanded whole does
+        (special tokens split the text)."""
+        import re
+
+        counts, tensors = self.runs(clips)
+        if self.timestamped:  # Qwen3-VL's processor drops the template's wrapper: each group has its own
+            text = text.replace(self.wrapper, self.marker)
+        pieces = text.split(self.marker)
+        expanded = pieces[0] + "".join(self._expansion(n, grid, clip) + piece for n, grid, clip, piece
+                                       in zip(counts, tensors["video_grid_thw"], clips, pieces[1:], strict=True))
+        run = re.compile(f"(?:{re.escape(self.marker)})+")
+        lengths = [len(m.group()) // len(self.marker) for m in run.finditer(expanded)]
+        return run.split(expanded), lengths, tensors
+
 
 __all__ = ["DEFAULT_VIDEO_FPS", "DEFAULT_VIDEO_MAX_FRAMES", "FRAME_EXTENSIONS", "VIDEO_PLACEHOLDER",
-           "VIDEO_PROCESSOR_CLASSES", "VideoEncoder", "VideoOptions", "VideoSource", "describe", "frame_files",
-           "load_frames", "patchify_frames", "sample_indices", "video_options", "video_problem",
-           "video_refusal"]
+           "TIMESTAMPED_PROCESSOR_CLASSES", "VIDEO_PROCESSOR_CLASSES", "VideoEncoder", "VideoOptions", "VideoSource",
+           "describe", "frame_files", "frame_group_times", "load_frames", "patchify_frames", "sample_indices",
+           "video_options", "video_problem", "video_refusal"]
