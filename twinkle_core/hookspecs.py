@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         AcceleratorRecord,
         CommandRecord,
         ConformanceTarget,
+        EnvironmentRecord,
         KernelRecord,
         LossRecord,
         MetricRecord,
@@ -211,6 +212,22 @@ def twinkle_register_rewards() -> Iterable[RewardRecord]:
         @hookimpl
         def twinkle_register_rewards():
             yield RewardRecord("json_valid", "my_pkg.rewards:json_valid")
+    """
+
+
+@hookspec
+def twinkle_register_environments() -> Iterable[EnvironmentRecord]:
+    """Register agent environments by name for multi-turn online RL (``task_options.environment.name``).
+
+    ``impl`` is a :class:`twinkle_core.environments.Environment` subclass, built with the recipe's
+    ``environment.options`` once per trajectory; it is reset with the prompt row's fields and answers each model
+    turn (its parsed tool calls) with an observation, a reward and whether the episode is over.
+
+    Example::
+
+        @hookimpl
+        def twinkle_register_environments():
+            yield EnvironmentRecord("sql", "my_pkg.sql_env:SQLEnvironment", "run the model's SQL on a test db")
     """
 
 

@@ -126,6 +126,15 @@ class RewardRecord(PluginRecord):
 
 
 @dataclass(frozen=True)
+class EnvironmentRecord(PluginRecord):
+    """An agent ``Environment`` (``twinkle_core.environments``) for multi-turn online RL: reset with a prompt
+    row's fields, then one step per model turn (observation, reward, done)."""
+
+    kind: ClassVar[str] = "environment"
+    register_hook: ClassVar[str] = "twinkle_register_environments"
+
+
+@dataclass(frozen=True)
 class TrackerRecord(PluginRecord):
     """An experiment tracker (``twinkle_core.trackers.Tracker``): ``tensorboard``, ``wandb``, ``mlflow`` ...,
     chosen by ``train.report_to`` in a recipe."""
@@ -202,6 +211,7 @@ RECORD_TYPES: tuple[type[PluginRecord], ...] = (
     MetricRecord,
     SamplerRecord,
     RewardRecord,
+    EnvironmentRecord,
     TrackerRecord,
     KernelRecord,
     ConformanceTarget,

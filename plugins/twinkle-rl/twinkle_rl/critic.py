@@ -98,4 +98,10 @@ def generalized_advantages(rewards: torch.Tensor, values: torch.Tensor, labels: 
     last = torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(dim=1).values
     rows = torch.nonzero(last >= 0).flatten()
     token_rewards[rows, last[rows]] = rewards[rows].to(values.dtype)
-    return gae(token_rewards, values * mask, mask, gamma=gamma, lam=lam)
+    # a multi-turn agent row has gaps (the environment's untrained tokens between the model's turns): GAE runs over
+    # its model tokens as one sequence, moved to the front of the row in order, and the results are moved back
+    order = torch.sort((mask == 0).to(torch.int8), dim=1, stable=True).indices
+    advantages, returns = gae(token_rewards.gather(1, order), (values * mask).gather(1, order), mask.gather(1, order),
+                              gamma=gamma, lam=lam)
+    return advantages.new_zeros(advantages.shape).scatter(1, order, advantages), \
+        returns.new_zeros(returns.shape).scatter(1, order, returns)

@@ -29,10 +29,17 @@ from twinkle_core.sampling import Completion, sample_seed
 
 
 def experience_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Completion], *,
-                     pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Tensors of ``len(completions)`` rows; ``prompts[s]`` is the prompt of ``completions[s]``."""
+                     pad_token_id: int, train_masks: Sequence[Sequence[bool] | None] | None = None,
+                     ) -> dict[str, torch.Tensor]:
+    """Tensors of ``len(completions)`` rows; ``prompts[s]`` is the prompt of ``completions[s]``.
+
+    ``train_masks[s]`` (default: ``completions[s].extra["train_mask"]`` where a completion has one) marks which of
+    its tokens are trained: a multi-turn agent rollout's completion holds the environment's tokens too, which get
+    no label and an old log-prob of 0 (:mod:`twinkle_rl.agent_rollout`)."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
+    if train_masks is None:
+        train_masks = [c.extra.get("train_mask") for c in completions]
     width = max(len(p) + max(len(c.token_ids), 1) for p, c in zip(prompts, completions, strict=True))
     rows = len(completions)
     input_ids = torch.full((rows, width), int(pad_token_id), dtype=torch.long)
@@ -47,7 +54,18 @@ def experience_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Com
         if end > start:
             labels[s, start:end] = input_ids[s, start:end]
             old_logps[s, start - 1:end - 1] = torch.tensor(completion.logprobs, dtype=torch.float32)
+            if train_masks[s] is not None:
+                _mask_untrained(labels[s, start:end], old_logps[s, start - 1:end - 1], train_masks[s])
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "old_logps": old_logps}
+
+
+def _mask_untrained(labels: torch.Tensor, old_logps: torch.Tensor, mask: Sequence[bool]) -> None:
+    """Unlabel (in place) the completion tokens whose ``mask`` entry is False."""
+    if len(mask) != labels.numel():
+        raise ValueError(f"a train mask of {len(mask)} entries for a completion of {labels.numel()} tokens")
+    untrained = ~torch.tensor(list(mask), dtype=torch.bool)
+    labels[untrained] = IGNORE_INDEX
+    old_logps[untrained] = 0.0
 
 
 def select_rows(batch: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:

@@ -25,6 +25,9 @@ every optimizer step the sampler is brought to the new weights (``Task.after_ste
   ``overlong_penalty``: ``{"max_length": L, "cache_length": C}`` (DAPO's soft overlong punishment);
 * ``max_prompt_length``, ``prompt_over_length`` (``skip`` or ``truncate_left``), ``chat_template`` (auto);
 * ``accuracy_reward``: the reward whose mean the logs call ``accuracy`` (default: the first);
+* ``environment``: ``{name, options, max_turns (4), max_total_tokens (512), step_timeout_s (30)}``: multi-turn
+  agentic rollouts with a registered (or ``module:Class``) environment instead of single completions, only the
+  model's tokens trained (:mod:`twinkle_rl.agent_rollout`); ``rewards`` are then optional;
 * ``seed``: of the sampling (default 0; every completion is seeded by its rollout, prompt and index, so
   the completions do not depend on the number of ranks, and a resumed run samples the same ones).
 
@@ -53,12 +56,15 @@ from typing import Any, ClassVar
 
 import torch
 
+from twinkle_core.environments import load_environment
 from twinkle_core.errors import ConfigError
 from twinkle_core.loss.logprobs import tempered_token_logprobs
 from twinkle_core.model.train_configs import TrainingSetup
 from twinkle_core.sampling import SamplingParams
 from twinkle_core.task import Task
 from twinkle_rl.advantages import ESTIMATORS
+from twinkle_rl.agent_rollout import ENVIRONMENT_REWARD, AgentRolloutEngine, AgentSettings, agent_summary
+from twinkle_rl.agent_turns import ChatTurns
 from twinkle_rl.checks import integer, optional_integer
 from twinkle_rl.experience import masked_rows, micro_batch_order, select_rows
 from twinkle_rl.one_step_off import InflightRollout, check_one_step_off
@@ -163,7 +169,7 @@ class OnlineRLTask(Task):
                  overlong_penalty: dict[str, int] | None = None, max_prompt_length: int | None = None,
                  prompt_over_length: str = "skip", chat_template: bool | None = None,
                  accuracy_reward: str | None = None, adapter_name: str | None = None, seed: int = 0,
-                 one_step_off: bool = False) -> None:
+                 one_step_off: bool = False, environment: dict[str, Any] | str | None = None) -> None:
         num_generations = integer("task_options.num_generations", num_generations, low=1)
         ppo_epochs = integer("task_options.ppo_epochs", ppo_epochs, low=1)
         micro_batch_size = optional_integer("task_options.micro_batch_size", micro_batch_size, low=1)
@@ -175,15 +181,17 @@ class OnlineRLTask(Task):
                               f"num_generations must be >= 2, got {num_generations}")
         if reference not in REFERENCES:
             raise ConfigError(f"task_options.reference must be one of {', '.join(REFERENCES)}, got {reference!r}")
-        if not rewards:
+        if not rewards and environment is None:
             raise ConfigError("task_options.rewards: online RL needs at least one reward, e.g. "
                               "[{name: exact_match, options: {field: answer}}]")
         super().__init__(num_generations=num_generations, sampler=sampler, sampling=sampling, rewards=rewards,
                          advantage=advantage, ppo_epochs=ppo_epochs, micro_batch_size=micro_batch_size,
-                         reference=reference, seed=seed)
+                         reference=reference, seed=seed, environment=environment)
         self.params = _sampling_params(sampling)
         self.sampler_spec = dict(sampler or {"name": "hf_generate"})
-        self.reward_set = RewardSet(rewards, on_nan=on_nan)
+        self.reward_set = RewardSet(rewards, on_nan=on_nan) if rewards else None
+        self.agent = AgentSettings.parse(environment) if environment is not None else None
+        self.environment = load_environment(self.agent.name, self.agent.options) if self.agent else None
         self.num_generations, self.advantage = num_generations, advantage
         self.advantage_options = dict(advantage_options or {})
         if self.advantage_options:
@@ -268,10 +276,12 @@ class OnlineRLTask(Task):
             if end_of_turn:
                 params = SamplingParams(**{**params.__dict__, "stop_token_ids": tuple(sorted(
                     set(params.stop_token_ids) | end_of_turn))})
-            self.engine = RolloutEngine(
-                sampler=sampler, rewards=self.reward_set, params=params, num_generations=self.num_generations,
-                estimator=self.advantage, estimator_options=self.advantage_options, seed=self.seed,
-                pad_token_id=self._pad_token_id(), dp=DataParallel.of(model), **self.dynamic)
+            options = dict(sampler=sampler, rewards=self.reward_set, params=params,
+                           num_generations=self.num_generations, estimator=self.advantage,
+                           estimator_options=self.advantage_options, seed=self.seed,
+                           pad_token_id=self._pad_token_id(), dp=DataParallel.of(model), **self.dynamic)
+            self.engine = (RolloutEngine(**options) if self.agent is None else AgentRolloutEngine(
+                environment=self.environment, turns=ChatTurns(self.tokenizer), settings=self.agent, **options))
         return self.engine
 
     def _end_of_turn_ids(self) -> set[int]:
@@ -419,6 +429,9 @@ class OnlineRLTask(Task):
             self.inflight.wait()
             engine.sampler.sync_weights(model, step=TrainingSetup.of(model).step)
         prompts = list(dataset)[: None if limit is None else int(limit)]
+        if isinstance(engine, AgentRolloutEngine):
+            return engine.evaluate(prompts, seed=self.seed, batch_size=batch_size, temperature=temperature,
+                                   num_generations=num_generations, accuracy_reward=self.accuracy_reward)
         return evaluate_prompts(engine, prompts, seed=self.seed, batch_size=batch_size, temperature=temperature,
                                 num_generations=num_generations, accuracy_reward=self.accuracy_reward)
 
@@ -446,7 +459,12 @@ class OnlineRLTask(Task):
     def step_metrics(self) -> dict[str, float]:
         stats, self.stats = self.stats, RolloutStats()
         dp = self.engine.dp if self.engine is not None else DataParallel()
-        return summarise(stats, dp, reward_names=self.reward_set.names, accuracy_reward=self.accuracy_reward,
+        names = self.reward_set.names if self.reward_set is not None else []
+        if self.agent is not None:  # the environment's reward first: the default accuracy
+            return {**summarise(stats, dp, reward_names=[ENVIRONMENT_REWARD, *names],
+                                accuracy_reward=self.accuracy_reward, one_step_off=self.one_step_off,
+                                dynamic_sampling=self.dynamic["dynamic_sampling"]), **agent_summary(stats, dp)}
+        return summarise(stats, dp, reward_names=names, accuracy_reward=self.accuracy_reward,
                          one_step_off=self.one_step_off, dynamic_sampling=self.dynamic["dynamic_sampling"])
 
     def close(self) -> None:

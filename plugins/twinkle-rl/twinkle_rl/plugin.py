@@ -4,7 +4,7 @@ RL (GRPO family, PPO) with its sampler and rewards."""
 from __future__ import annotations
 
 from twinkle_core import hookimpl
-from twinkle_core.records import LossRecord, RewardRecord, SamplerRecord, TaskRecord
+from twinkle_core.records import EnvironmentRecord, LossRecord, RewardRecord, SamplerRecord, TaskRecord
 
 _PKG = "twinkle_rl"
 
@@ -58,3 +58,10 @@ def twinkle_register_rewards():
                        "the score of a trained reward model (task: reward_model, or any one-label sequence classifier)")
     yield RewardRecord("length_penalty", f"{_PKG}.rewards:LengthPenalty",
                        "0 within max_length, linearly negative beyond (characters, or tokens from completion_lengths)")
+
+
+@hookimpl
+def twinkle_register_environments():
+    yield EnvironmentRecord("calculator", f"{_PKG}.calculator_env:CalculatorEnvironment",
+                            "agent tool 'calculator' (+ - * / and parentheses); reward 1.0 for a final answer equal "
+                            "to the row's answer")
