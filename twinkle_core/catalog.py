@@ -37,6 +37,7 @@ PROVIDERS: dict[tuple[str, str], str] = {
     ("loss", "simpo"): _RL,
     ("loss", "orpo"): _RL,
     ("task", "grpo"): _RL,
+    ("environment", "calculator"): _RL,
     ("task", "ppo"): _RL,
     ("loss", "grpo"): _RL,
     ("loss", "dapo"): _RL,
