@@ -38,6 +38,17 @@ _AUTO_CLASSES = {"causal_lm": "AutoModelForCausalLM", "encoder": "AutoModel",
                  "image_text_to_text": "AutoModelForImageTextToText"}
 #: kinds whose network has one label: a value per token, or a score per sequence (read at its last non-pad token)
 _SCALAR_HEAD_KINDS = frozenset({"token_value", "sequence_score"})
+
+
+def disable_head_dropout(module: torch.nn.Module) -> None:
+    """transformers' token-classification heads apply a dropout (default 0.1) before the score layer: a PPO critic
+    trained through it has other values than the eval-mode ones its rollout recorded, and they depend on the random
+    state, so on the data-parallel layout. A scalar head trains without it (the saved config says so too)."""
+    module.config.classifier_dropout = 0.0
+    if isinstance(getattr(module, "dropout", None), torch.nn.Dropout):
+        module.dropout.p = 0.0
+
+
 #: model kinds whose forward takes ``use_cache`` (training never wants a KV cache)
 _GENERATIVE_KINDS = frozenset({"causal_lm", "image_text_to_text"})
 
@@ -186,6 +197,8 @@ class TransformersModel(TorchTwinkleModel):
                 config.num_labels = 1
             with self._explain_attention():
                 module = auto.from_config(config, dtype=torch.float32, **common)
+        if value_head:
+            disable_head_dropout(module)
         if self.gradient_checkpointing:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if hasattr(module, "enable_input_require_grads"):

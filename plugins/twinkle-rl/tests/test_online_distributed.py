@@ -1,4 +1,5 @@
-"""Online RL on several ranks is the single-process run: GRPO and REINFORCE++ under DDP and FSDP2, Megatron TP=2.
+"""Online RL on several ranks is the single-process run: GRPO, REINFORCE++, PPO (learned critic, GAE) and
+multi-turn agent rollouts under DDP and FSDP2, Megatron TP=2.
 
 Every run is ``scripts/online_dist.py``: the ``grpo`` task through the trainer (``Trainer.run``), 2 rollouts of
 4 global prompts x 4 completions, each trained for 2 PPO epochs (4 AdamW steps, fp32, clipping at 1.0), the
@@ -11,6 +12,16 @@ losses and gradient norms from the trainer's ``logs.jsonl`` and saves the final 
   seeded by its prompt, so every prompt gets the same completions, advantages (GRPO, and REINFORCE++ whose
   batch normalisation is an all-reduce), then the same losses, gradient norms and weights;
 * each prompt's group of 4 completions is sampled, scored and normalised on one rank, never across two;
+* the ``ppo`` task (``task_options.critic``): the critic's values, the GAE returns and the advantages whitened
+  over every rank's completion tokens, per completion token, and the critic's logged loss; the critic is a
+  sibling model with a value head, which must train without dropout (transformers' token-classification heads
+  default to 0.1: its trained values then differ from the eval-mode values of the rollout, and depend on the
+  random state, so on the layout);
+* multi-turn agent rollouts (``task_options.environment``) on arithmetic prompts: the bundled ``calculator`` (an
+  untrained model answers in one turn) and the script's ``Counting`` environment, which answers a prompt's
+  trajectories up to twice (turns differ between prompts, so between ranks): every turn is seeded by rollout,
+  prompt, trajectory and turn, so the completions with their environment tokens are the same; the logged turn,
+  tool-call and environment-reward values are sums over every rank; also with the ``ppo`` task;
 * a DDP run resumed from a mid-rollout checkpoint continues as the uninterrupted run (every rank resumes its
   own share of the rollout queue: the trainer gathers ``task.state_dict()`` of every rank into the checkpoint);
 * ``MegatronModel`` at TP=2 with ``hf_generate`` ``copy_weights: true`` (it samples with its own HF copy of the
@@ -59,7 +70,20 @@ SINGLE_RUNS = {
     "grpo": {"strategy": "single"},
     "reinforce_pp": {"strategy": "single", "advantage": "reinforce_pp"},
     "hf_weights": {"strategy": "single", "weights": True},  # from the saved HF weights: Megatron's reference
+    "ppo": {"strategy": "single", "task": "ppo"},  # a learned critic, GAE whitened over every rank's tokens
+    # multi-turn agent RL on arithmetic prompts: the bundled calculator (one turn from an untrained model), and
+    # the script's Counting environment, which answers: trajectories of 1 to 3 turns with untrained tokens between
+    "calculator": {"strategy": "single", "environment": "calculator"},
+    "agent": {"strategy": "single", "environment": "online_dist:Counting"},
+    "ppo_agent": {"strategy": "single", "task": "ppo", "environment": "online_dist:Counting"},
 }
+#: the runs of the ppo task (their rollouts also record the critic's GAE)
+PPO_KEYS = ("ppo", "ppo_agent")
+#: the runs with an environment, and the log values the agent rollouts add
+AGENT_KEYS = ("calculator", "agent", "ppo_agent")
+#: counts and exact sums over every rank's trajectories (rewards in halves, so any order sums them exactly)
+AGENT_LOG_KEYS = ("turns_mean", "tool_calls_mean", "tool_call_errors", "env_timeouts", "env_errors",
+                  "reward/environment")
 DIST_RUNS = {
     ("ddp", "grpo"): {"strategy": "ddp"},
     ("native_fsdp", "grpo"): {"strategy": "native_fsdp"},
@@ -67,6 +91,8 @@ DIST_RUNS = {
     ("native_fsdp", "reinforce_pp"): {"strategy": "native_fsdp", "advantage": "reinforce_pp"},
     # checkpoint-1 is mid-rollout: the queue holds the rollout's second PPO epoch, a share of it on each rank
     ("ddp", "grpo-resumed"): {"strategy": "ddp", "resume_at": 1},
+    **{(strategy, key): {**SINGLE_RUNS[key], "strategy": strategy}
+       for key in ("ppo", *AGENT_KEYS) for strategy in ("ddp", "native_fsdp")},
 }
 RESUME_AT = 1
 MEGATRON_RUN = {"backend": "megatron", "mesh": {"tp": 2}, "copy_weights": True}
@@ -89,7 +115,7 @@ def reference(tmp_path_factory) -> dict[str, Any]:
 def _torchrun(reference: dict[str, Any], name: str, runs: list[dict[str, Any]]) -> tuple[TorchrunResult, Path]:
     out = reference["root"] / f"{name}.json"
     job = run_torchrun([SCRIPT, "--init", reference["init"], "--out", out, "--runs", json.dumps(runs)],
-                       nproc=2, timeout=90, env=script_env())
+                       nproc=2, timeout=150, env=script_env())
     print(f"{name} job: {job.seconds:.1f} s")
     return job, out
 
@@ -116,6 +142,18 @@ def groups_by_prompt(run: Run, *, rank: int | None = None) -> dict[tuple[int, in
                 groups[key] = {"rank": r, **{k: record[k][g] for k in ("rewards", "advantages", "tokens",
                                                                         "logprobs")}}
     return groups
+
+
+def gae_by_prompt(run: Run) -> dict[tuple[int, int], list[dict[str, list[float]]]]:
+    """``(rollout, prompt index) -> [{advantages, returns, old_values}]`` per completion (a ppo run's GAE)."""
+    return {(record["rollout"], prompt): record["gae"][g]
+            for records in run["rollouts"] for record in records for g, prompt in enumerate(record["prompts"])}
+
+
+def gae_values(run: Run, keys: list[tuple[int, int]], field: str) -> list[float]:
+    """One GAE quantity of every completion token, in the order of ``keys``."""
+    groups = gae_by_prompt(run)
+    return [x for key in keys for row in groups[key] for x in row[field]]
 
 
 def logprobs_of(run: Run, keys: list[tuple[int, int]], **kw: Any) -> list[float]:
@@ -170,6 +208,25 @@ def loss_floor(ref: Run) -> float:
     return sum_tolerance(completion_tokens_per_step(ref), max(map(abs, losses))) + 2 * log_rounding(losses)
 
 
+def critic_loss_floor(ref: Run) -> float:
+    """The critic's loss is a sum over the step's completion tokens too."""
+    losses = logged(ref, "critic/loss")
+    return sum_tolerance(completion_tokens_per_step(ref), max(map(abs, losses))) + 2 * log_rounding(losses)
+
+
+def gae_floor(ref: Run, config: dict[str, Any], field: str) -> float:
+    """The critic's values are one forward's output; GAE adds up to a completion's length of value differences
+    into a return, and whitening divides those by a sum over every completion token of the rollout."""
+    keys = sorted(gae_by_prompt(ref))
+    values = gae_values(ref, keys, field)
+    one = forward_tolerance(max(map(abs, values)), width=max(config["vocab_size"], config["intermediate_size"]),
+                            depth=config["num_hidden_layers"])
+    if field == "old_values":
+        return one
+    longest = max(len(row[field]) for group in gae_by_prompt(ref).values() for row in group)
+    return longest * one + sum_tolerance(len(values), max(map(abs, values)))
+
+
 def norm_floor(ref: Run) -> float:
     """The pre-clip gradient norm is a sum over every trainable parameter."""
     norms = logged(ref, "grad_norm")
@@ -222,6 +279,15 @@ def assert_same_training(got: Run, ref: Run, what: str) -> dict[str, float]:
               "grad_norm": assert_within_spread(f"{what}: grad norms", logged(got, "grad_norm"),
                                                 logged(ref, "grad_norm"), logged(reordered, "grad_norm"),
                                                 floor=norm_floor(ref))}
+    for line, ref_line in zip(got["logs"], ref["logs"], strict=True):  # agent rollouts: sums over every rank
+        for key in AGENT_LOG_KEYS:
+            if key in ref_line:
+                assert line.get(key) == ref_line[key], f"{what}: {key} of step {line['step']}: {line.get(key)} " \
+                                                       f"!= {ref_line[key]}"
+    if "critic/loss" in ref["logs"][0]:  # ppo: the critic trains on the same micro-batches
+        deltas["critic_loss"] = assert_within_spread(f"{what}: critic losses", logged(got, "critic/loss"),
+                                                     logged(ref, "critic/loss"), logged(reordered, "critic/loss"),
+                                                     floor=critic_loss_floor(ref))
     assert weight_names(got) == weight_names(ref), f"{what}: other parameters"
     deltas["weights"] = assert_within_spread(f"{what}: final weights", weights(got), weights(ref),
                                              weights(reordered), floor=weight_floor(ref))
@@ -241,7 +307,24 @@ def test_references_learn_sync_and_measure_their_own_spread(reference):
             # the second rollout is sampled after PPO_EPOCHS optimizer steps: after_step synced the sampler
             assert set(record["policy_steps"]) == {record["rollout"] * ONLINE.PPO_EPOCHS}, (name, record)
         advantages = torch.tensor([a for r in rollouts for a in r["advantages"]])
+        if name in PPO_KEYS:  # the estimator's advantages are zero; the critic's GAE replaces them
+            assert not advantages.any(), name
+            advantages = torch.tensor(gae_values(ref, sorted(gae_by_prompt(ref)), "advantages"))
+            # the first step trains the critic on the values it gave the rollout: its loss is theirs (a head that
+            # trained through dropout would not be)
+            first = [k for k in gae_by_prompt(ref) if k[0] == 0]
+            errors = [v - r for v, r in zip(gae_values(ref, first, "old_values"), gae_values(ref, first, "returns"),
+                                            strict=True)]
+            expected = sum(0.5 * e * e for e in errors) / len(errors)
+            slack = critic_loss_floor(ref) + max(map(abs, errors)) * gae_floor(ref, model_config(reference),
+                                                                                "old_values")
+            assert abs(logged(ref, "critic/loss")[0] - expected) <= slack, (name, logged(ref, "critic/loss"), expected)
         assert advantages.abs().sum() > 1.0, f"{name}: the rewards carry no signal {advantages}"
+        if name in AGENT_KEYS:  # the rollouts were conversations: the log lines of their steps say how long
+            turns = [line["turns_mean"] for line in ref["logs"][::ONLINE.PPO_EPOCHS]]
+            assert all(1.0 <= t <= ONLINE.AGENT_TURNS for t in turns), (name, turns)
+            assert (max(turns) > 1.0) == (name != "calculator"), (name, turns)  # Counting answers some turns
+            assert "reward/environment" in ref["logs"][0], name
         losses = logged(ref, "loss")
         # a rollout's first epoch is on-policy (ratio 1, loss ~0); the second is not: a loss worth comparing
         assert min(abs(losses[1]), abs(losses[3])) > 1e-2, (name, losses)
@@ -304,6 +387,28 @@ def test_a_group_is_never_normalised_across_ranks(reference, hf_runs, strategy):
         record = pp["rollouts"][rank][0]
         local = reinforce_pp_advantages(torch.tensor(record["rewards"], dtype=torch.float64))
         assert max_abs_diff(local, record["advantages"]) > 1e-3, "the all-reduce made no difference to measure"
+
+
+@pytest.mark.parity
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("key", [k for k in DIST_RUNS if k[1] in PPO_KEYS], ids="-".join)
+def test_ppo_critic_on_two_ranks_gives_the_one_process_gae(reference, hf_runs, key):
+    """The critic's values of each completion token, the returns and the advantages whitened over the whole
+    rollout (a sum over every rank's tokens): the second rollout's come from a critic trained on two ranks."""
+    strategy, name = key
+    run, ref = hf_runs[key], reference["refs"][name]
+    keys = sorted(gae_by_prompt(ref))
+    assert sorted(gae_by_prompt(run)) == keys, f"{strategy} {name}: the rollouts hold other prompts"
+    first = [k for k in keys if k[0] == 0]  # sampled and valued before any step: a difference is the GAE's own
+    deltas = {}
+    for scope, chosen in (("first rollout", first), ("both rollouts", keys)):
+        for field in ("advantages", "returns", "old_values"):
+            deltas[field] = assert_within_spread(
+                f"{strategy} {name}: GAE {field}, {scope}", gae_values(run, chosen, field),
+                gae_values(ref, chosen, field), gae_values(ref["reordered"], chosen, field),
+                floor=gae_floor(ref, model_config(reference), field))
+    print(f"{strategy} {name}: " + ", ".join(f"max |d {k}| = {v:.3g}" for k, v in deltas.items()))
 
 
 @pytest.mark.parity

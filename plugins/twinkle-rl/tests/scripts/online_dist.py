@@ -1,4 +1,5 @@
-"""Online RL (the ``grpo`` task) through the trainer on any backend; every rollout and step recorded to JSON.
+"""Online RL (the ``grpo`` and ``ppo`` tasks, with or without an environment) through the trainer on any backend;
+every rollout and step recorded to JSON.
 
     python online_dist.py --init DIR                                 # the prompts and tiny HF weights, once
     python online_dist.py --init DIR --out OUT.json --runs '[{"strategy": "single"}]'
@@ -27,6 +28,11 @@ A run (a JSON object in ``--runs``):
 * ``backend``: ``hf`` (default) or ``megatron`` (``MegatronModel``, with ``mesh``); ``weights: true`` trains
   from the saved tiny HF weights under ``--init`` (``model_id``) instead of the config dict;
 * ``advantage``: ``grpo`` (default) or ``reinforce_pp``; ``copy_weights``: the ``hf_generate`` option;
+* ``task``: ``grpo`` (default) or ``ppo`` (a critic trained at ``LR``, GAE whitened over every rank; the rollout
+  records get ``gae``: per completion, its tokens' ``advantages``, ``returns`` and ``old_values``);
+* ``environment``: multi-turn agent rollouts with that environment (``calculator``, or ``online_dist:Counting``
+  of this module) on ``arithmetic.jsonl`` (products with an ``answer``), at most :data:`AGENT_TURNS` model turns
+  and :data:`AGENT_TOKENS` tokens after the prompt; the reward is the environment's plus ``letter_share``;
 * ``reverse``: reverse the prompts of every draw (their completions keep their seeds): the same mathematics
   in another summation order, the float spread of the reference (``twinkle_core.testing.tolerance``);
 * ``resume_at``: also save a checkpoint every that many steps, then train again from the one of that step
@@ -47,6 +53,8 @@ import time
 import warnings
 from typing import Any
 
+from twinkle_core.environments import AgentMessage, Environment, StepResult
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", ".."))
 TOKENIZER_DIR = os.path.join(REPO, "examples", "quickstart", "tokenizer")
 
@@ -59,6 +67,9 @@ MAX_NEW_TOKENS = 6
 LR = 1e-2
 MAX_GRAD_NORM = 1.0
 SAMPLING_SEED = 5
+AGENT_TURNS = 3  # the calculator environment: model turns per trajectory, tokens after the prompt
+AGENT_TOKENS = 24
+AGENT_STOP = list("aeiou0123456789")
 TRAIN_SEED = 0
 
 WORDS = ["apple", "river", "stone", "cloud", "tiger", "piano", "grape", "north"]
@@ -69,9 +80,32 @@ def letter_share(prompts: list[str], completions: list[str], **fields: Any) -> l
     return [sum(ch.isalpha() for ch in text) / len(text) if text else 0.0 for text in completions]
 
 
+class Counting(Environment):
+    """Answers a turn with its length, as many times as the row's ``answer`` modulo :data:`AGENT_TURNS` says, then
+    ends the episode: the prompts' trajectories take different numbers of turns, so the ranks' do too (a turn
+    cut at ``max_new_tokens`` ends its trajectory early), with untrained environment tokens between turns."""
+
+    def reset(self, row_fields: dict[str, Any]) -> str:
+        self.answers_left = int(row_fields["answer"]) % AGENT_TURNS
+        return ""
+
+    def step(self, message: AgentMessage) -> StepResult:
+        size = len(message.text)
+        self.answers_left -= 1
+        return StepResult(observation=f"{size} chars", reward=float(size % 2) / 2, done=self.answers_left < 0)
+
+
 def prompt_rows() -> list[dict[str, Any]]:
     assert len(WORDS) == PROMPTS_PER_STEP * ROLLOUTS
     return [{"prompt": f"say a word like {word}"} for word in WORDS]
+
+
+def arithmetic_rows() -> list[dict[str, Any]]:
+    """The calculator environment's prompts: a product and its ``answer`` field. Every prompt has as many
+    characters (tokens): each rank pads its rows to the same width as the one process (see the test)."""
+    pairs = [(12, 3), (17, 8), (15, 4), (19, 9), (21, 2), (16, 3), (11, 7), (25, 4)]
+    assert len(pairs) == PROMPTS_PER_STEP * ROLLOUTS
+    return [{"prompt": f"{a}*{b}=?", "answer": str(a * b)} for a, b in pairs]
 
 
 def tiny_config(tokenizer: Any) -> dict[str, Any]:
@@ -82,11 +116,14 @@ def tiny_config(tokenizer: Any) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- set-up
 def init(directory: str, tokenizer: Any) -> None:
-    """``prompts.jsonl`` and the tiny Qwen2 as an HF directory ``hf`` (the Megatron comparison's weights)."""
+    """``prompts.jsonl``, ``arithmetic.jsonl`` and the tiny Qwen2 as an HF directory ``hf`` (the Megatron
+    comparison's weights)."""
     from twinkle_backend_hf.model import TransformersModel
 
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "prompts.jsonl"), "w") as fh:
+    with open(os.path.join(directory, "arithmetic.jsonl"), "w") as fh:
+        fh.writelines(json.dumps(row) + "\n" for row in arithmetic_rows())
+    with open(os.path.join(directory, "prompts.jsonl"), "w") as fh:  # last: its presence means init is done
         fh.writelines(json.dumps(row) + "\n" for row in prompt_rows())
     TransformersModel(config=tiny_config(tokenizer), seed=TRAIN_SEED).save("hf", output_dir=directory,
                                                                            save_optimizer=False)
@@ -101,29 +138,43 @@ def recipe(spec: dict[str, Any], init_dir: str, output_dir: str, dp_size: int, t
     else:
         model["config"] = tiny_config(tokenizer)
     strategy = spec.get("strategy", "single")
+    task = spec.get("task", "grpo")
     return {
-        "task": "grpo",
-        "task_options": {
-            "num_generations": NUM_GENERATIONS,
-            "sampler": {"name": "hf_generate", "copy_weights": bool(spec.get("copy_weights", False))},
-            "sampling": {"temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS},
-            "rewards": [{"name": "online_dist:letter_share"}],
-            "advantage": spec.get("advantage", "grpo"),
-            "ppo_epochs": PPO_EPOCHS,
-            "seed": SAMPLING_SEED,
-        },
+        "task": task,
+        "task_options": task_options(spec),
         "model": model,
         "strategy": {"name": "megatron" if backend == "megatron" else strategy},
         "mesh": spec.get("mesh"),
         "precision": "no",
-        "data": {"train": os.path.join(init_dir, "prompts.jsonl"), "batch_size": PROMPTS_PER_STEP // dp_size,
-                 "shuffle": True},
-        "loss": {"name": "grpo"},
+        "data": {"train": os.path.join(init_dir, "arithmetic.jsonl" if spec.get("environment") else "prompts.jsonl"),
+                 "batch_size": PROMPTS_PER_STEP // dp_size, "shuffle": True},
+        "loss": {"name": task},
         "optimizer": {"name": "AdamW", "lr": LR, "weight_decay": 0.0},
         "lr_scheduler": {"name": "constant"},
         "train": {"output_dir": output_dir, "max_steps": STEPS, "max_grad_norm": MAX_GRAD_NORM, "seed": TRAIN_SEED,
                   "log_every": 1},
     }
+
+
+def task_options(spec: dict[str, Any]) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "num_generations": NUM_GENERATIONS,
+        "sampler": {"name": "hf_generate", "copy_weights": bool(spec.get("copy_weights", False))},
+        "sampling": {"temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS},
+        "rewards": [{"name": "online_dist:letter_share"}],
+        "ppo_epochs": PPO_EPOCHS,
+        "seed": SAMPLING_SEED,
+    }
+    if spec.get("task") == "ppo":  # GAE on the critic's values, whitened over every rank's completion tokens
+        options["critic"] = {"lr": LR, "max_grad_norm": MAX_GRAD_NORM}
+    else:
+        options["advantage"] = spec.get("advantage", "grpo")
+    if spec.get("environment"):
+        options["environment"] = {"name": spec["environment"], "max_turns": AGENT_TURNS, "max_total_tokens": AGENT_TOKENS}
+        # stop strings end a model turn early (the untrained model rarely writes its end-of-turn token), so that
+        # turns reach the environment instead of running out of tokens
+        options["sampling"]["stop"] = AGENT_STOP
+    return options
 
 
 # ---------------------------------------------------------------------- recording
@@ -167,6 +218,27 @@ class RolloutRecorder:
             return result
 
         RolloutEngine.run = run
+        self.install_gae()
+
+    def install_gae(self) -> None:
+        """The ``ppo`` task completes each rollout with its critic's GAE: keep each completion's per-token
+        advantages, returns and old values (its completion tokens only) in the rollout's record."""
+        from twinkle_rl.ppo_task import PPOTask
+
+        from twinkle_core.constants import IGNORE_INDEX
+
+        original = PPOTask._after_rollout
+        recorder = self
+
+        def after_rollout(task: Any, model: Any, rollout: Any, chunk_size: int) -> None:
+            original(task, model, rollout, chunk_size)
+            batch, n = rollout.batch, task.num_generations
+            mask = batch["labels"][:, 1:] != IGNORE_INDEX
+            rows = [{key: batch[key][row][mask[row]].tolist() for key in ("advantages", "returns", "old_values")}
+                    for row in range(mask.shape[0])]
+            recorder.records[-1]["gae"] = [rows[g * n:(g + 1) * n] for g in range(len(rows) // n)]
+
+        PPOTask._after_rollout = after_rollout
 
 
 RECORDER = RolloutRecorder()
