@@ -3,7 +3,10 @@
 Products of two 2-digit numbers, which the quickstart's tiny model cannot compute in its head. ``sft.jsonl``
 holds transcripts: three in five answer directly with an estimate (the product to the nearest hundred, "about
 4700", which the calculator environment does not accept), two in five call the ``calculator`` tool and copy its
-result, the only exact products the model sees. ``train.jsonl`` / ``eval.jsonl`` hold prompts with
+result. In half of the tool transcripts the tool's answer is a random number: with the true product every time,
+the model learns to recompute (memorise) the training products instead of copying the tool's answer (measured:
+11 of the first 100 held-out tool answers copied after 1000 SFT steps, against 88 of 100 with the random
+half). ``train.jsonl`` / ``eval.jsonl`` hold prompts with
 the ``answer`` field the ``calculator`` environment compares the final answer with; no pair of numbers of
 ``eval.jsonl`` occurs in the other files.
 
@@ -17,8 +20,9 @@ import os
 import random
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SFT_ROWS, TRAIN_PROMPTS, EVAL_PROMPTS = 4000, 2000, 200
+SFT_ROWS, TRAIN_PROMPTS, EVAL_PROMPTS = 5900, 2000, 200  # 5900 + 2000 + 200 = 8100 pairs
 TOOL_SHARE = 0.4
+RANDOM_TOOL_ANSWER_SHARE = 0.5
 
 
 def tool_call(expression: str) -> str:
@@ -30,8 +34,11 @@ def transcript(a: int, b: int, rng: random.Random) -> dict:
     question = {"role": "user", "content": f"{a}*{b}=?"}
     if rng.random() >= TOOL_SHARE:
         return {"messages": [question, {"role": "assistant", "content": f"about {round(a * b, -2)}"}]}
+    # Half the tool answers are random numbers, so predicting the final answer takes copying the tool's answer:
+    # with the true product every time, the model learns to recompute (memorise) products instead of copying.
+    result = str(rng.randint(100, 9999) if rng.random() < RANDOM_TOOL_ANSWER_SHARE else a * b)
     return {"messages": [question, {"role": "assistant", "content": tool_call(f"{a}*{b}")},
-                         {"role": "tool", "content": str(a * b)}, {"role": "assistant", "content": str(a * b)}]}
+                         {"role": "tool", "content": result}, {"role": "assistant", "content": result}]}
 
 
 def write(name: str, rows: list[dict]) -> None:

@@ -1,7 +1,7 @@
 """The agent quickstart (examples/agent): after the SFT start point, GRPO with the calculator environment raises
-the held-out greedy success, both steps in under 10 minutes. Measured: 0.00 -> 0.275; the test asserts a gain of at
-least 0.2 (the issue's target, 0.3, is not met yet: the model's copying of digits into and out of the tool call
-limits it). Slow: it trains for minutes (``-m slow``)."""
+the held-out greedy success, both steps in under 10 minutes. Measured: 0.00 -> 0.825 (SFT 536 s and GRPO 47 s on 2
+cores at load average 3-3.5; about 380 s + 40 s idle); the test asserts the issue's target, a gain of at least 0.3.
+Slow: it trains for minutes (``-m slow``)."""
 
 from __future__ import annotations
 
@@ -40,5 +40,5 @@ def test_agent_quickstart_learns_to_use_the_calculator(tmp_path):
           f"tool calls {before['eval_tool_calls_mean']:.2f} -> {after['eval_tool_calls_mean']:.2f}; "
           f"sft {sft_seconds:.0f} s, grpo {grpo_seconds:.0f} s")
     assert before["step"] == 0
-    assert after["eval_accuracy"] >= before["eval_accuracy"] + 0.20, (before, after)
+    assert after["eval_accuracy"] >= before["eval_accuracy"] + 0.30, (before, after)
     assert sft_seconds + grpo_seconds < 600
