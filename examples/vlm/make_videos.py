@@ -24,34 +24,19 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import random
 
+from make_images import COLOURS, HERE, QUESTIONS, SHAPES, draw_shape, write_jsonl
 from PIL import Image, ImageDraw
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SIDE = 56    # pixels; the bundled image processor keeps 56 x 56 (4 x 4 patches of 14, 4 tokens per frame pair)
 FRAMES = 8   # the temporal patch merges frame pairs: 4 time steps of 4 tokens each
-COLOURS = {"red": (220, 40, 40), "green": (30, 170, 60), "blue": (40, 80, 230), "yellow": (235, 200, 30)}
-SHAPES = ("circle", "triangle", "cross")
 QUESTION = "Which way does the shape move?"
-COLOUR_QUESTION = "What colour is the shape?"
+COLOUR_QUESTION = QUESTIONS["colour"]
 #: direction -> (dx, dy) of one pixel of motion
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 DEFAULT_DIRECTIONS = ("left", "right")
-
-
-def draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int], colour: tuple) -> None:
-    x0, y0, x1, y1 = box
-    if shape == "circle":
-        draw.ellipse(box, fill=colour)
-    elif shape == "triangle":
-        draw.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=colour)
-    else:  # a cross: two bars a third of the box wide
-        third = (x1 - x0) // 3
-        draw.rectangle((x0 + third, y0, x1 - third, y1), fill=colour)
-        draw.rectangle((x0, y0 + third, x1, y1 - third), fill=colour)
 
 
 def clip(rng: random.Random, direction: str) -> tuple[list[Image.Image], str]:
@@ -109,12 +94,6 @@ def build(out_dir: str = HERE, train: int = 800, evaluation: int = 100,
                 frame.save(os.path.join(out_dir, name, f"frame_{j:02d}.png"))
             splits[split].append(row(name, COLOUR_QUESTION, colour) if colour_row else row(name, QUESTION, direction))
     return splits["train"], splits["eval"]
-
-
-def write_jsonl(rows: list[dict], path: str) -> None:
-    with open(path, "w") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ from twinkle_backend_megatron.export import MegatronExporter, read_adapter
 from twinkle_backend_megatron.forward import call_chunk, pipeline_error
 from twinkle_backend_megatron.lora import target_modules
 from twinkle_backend_megatron.pipeline import MegatronPipeline, metrics_from_last_stage
-from twinkle_backend_megatron.sequence_padding import trim_sequences
+from twinkle_backend_megatron.sequence_padding import padded_length, trim_sequences
 from twinkle_backend_megatron.weights import ShardedWeights, chunks_of
 from twinkle_core.loss.base import LossOutput
 from twinkle_core.model.base import TwinkleModel
@@ -244,8 +244,7 @@ class MegatronModel(TorchTwinkleModel):
             self.check_inputs(inputs, call="forward_only")
             step = self.step_context(adapter_name, disable_adapters=disable_adapters)
             outputs = self._pipeline().run(step, inputs, forward_only=True)
-        multiple = self.strategy.sequence_multiple
-        return trim_sequences(outputs, -(-length // multiple) * multiple, length)
+        return trim_sequences(outputs, padded_length(length, self.strategy.sequence_multiple), length)
 
     def _pipeline(self) -> MegatronPipeline:
         return MegatronPipeline(self.chunks, strategy=self.strategy, vocab_size=self.spec.vocab_size, task=self.task,

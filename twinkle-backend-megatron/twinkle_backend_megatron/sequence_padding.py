@@ -15,7 +15,12 @@ import torch
 
 from twinkle_core.constants import IGNORE_INDEX
 
-__all__ = ["pad_sequences", "trim_sequences"]
+__all__ = ["padded_length", "pad_sequences", "trim_sequences"]
+
+
+def padded_length(length: int, multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``multiple``."""
+    return -(-length // multiple) * multiple
 
 
 def _fill(key: str, value: torch.Tensor, extra: int) -> torch.Tensor:
@@ -33,7 +38,7 @@ def pad_sequences(inputs: dict[str, Any], multiple: int) -> tuple[dict[str, Any]
     ``multiple``, and the original ``T``."""
     input_ids = inputs["input_ids"]
     rows, length = input_ids.shape[:2]
-    extra = -length % multiple
+    extra = padded_length(length, multiple) - length
     if extra == 0:
         return inputs, length
     out = dict(inputs)

@@ -149,7 +149,7 @@ class AgentRolloutEngine(RolloutEngine):
         return [ENVIRONMENT_REWARD, *(self.rewards.names if self.rewards is not None else [])]
 
     # ------------------------------------------------------------------ trajectories
-    def _sample(self, features: list[PromptFeature], rollout: int, draw_index: int) -> list[list[Completion]]:
+    def sample_groups(self, features: list[PromptFeature], rollout: int, draw_index: int) -> list[list[Completion]]:
         return self.play(features, self.n, self.params,
                          lambda index, j, turn: sample_seed(self.seed, rollout, draw_index, index, j, turn))
 
@@ -223,8 +223,8 @@ class AgentRolloutEngine(RolloutEngine):
         trajectory.append(ids, None, self.settings.max_total_tokens)
 
     # ------------------------------------------------------------------ rewards
-    def _score(self, features: list[PromptFeature], groups: list[list[Completion]], stats: RolloutStats,
-               report: RewardReport) -> list[Scored]:
+    def score_groups(self, features: list[PromptFeature], groups: list[list[Completion]], stats: RolloutStats,
+                     report: RewardReport) -> list[Scored]:
         completions = [c for g in groups for c in g]
         env = torch.tensor([c.extra["environment_reward"] for c in completions],
                            dtype=torch.float64).view(len(features), self.n)
@@ -233,7 +233,7 @@ class AgentRolloutEngine(RolloutEngine):
         if self.rewards is None:
             scored = [Scored(f, groups[i], env[i]) for i, f in enumerate(features)]
         else:
-            scored = super()._score(features, groups, stats, report)
+            scored = super().score_groups(features, groups, stats, report)
         for i, group in enumerate(scored):
             group.rewards = group.rewards + (env[i] if self.rewards is not None else 0.0)
             group.feature = replace(group.feature, prompt_ids=list(groups[i][0].extra["prompt_ids"]))

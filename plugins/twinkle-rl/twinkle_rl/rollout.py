@@ -164,7 +164,9 @@ class RolloutEngine:
         self.overlong_penalty = overlong_penalty
 
     # ------------------------------------------------------------------ sampling and scoring
-    def _sample(self, features: list[PromptFeature], rollout: int, draw_index: int) -> list[list[Completion]]:
+    # the two steps a rollout of another shape replaces (the multi-turn agent engine: agent_rollout.py)
+    def sample_groups(self, features: list[PromptFeature], rollout: int, draw_index: int) -> list[list[Completion]]:
+        """``n`` completions of each prompt, seeded by (rollout, draw, prompt, index)."""
         seeds = [[sample_seed(self.seed, rollout, draw_index, f.index, j) for j in range(self.n)] for f in features]
         groups = self.sampler.sample([f.prompt_ids for f in features], n=self.n, params=self.params, seeds=seeds)
         if len(groups) != len(features) or any(len(g) != self.n for g in groups):
@@ -172,8 +174,9 @@ class RolloutEngine:
                                f"for {len(features)} prompts x {self.n}")
         return groups
 
-    def _score(self, features: list[PromptFeature], groups: list[list[Completion]], stats: RolloutStats,
-               report: RewardReport) -> list[Scored]:
+    def score_groups(self, features: list[PromptFeature], groups: list[list[Completion]], stats: RolloutStats,
+                     report: RewardReport) -> list[Scored]:
+        """Every group's total rewards ``[n]`` (after overlong shaping), recorded in ``stats`` and ``report``."""
         prompts = [f.text for f in features for _ in range(self.n)]
         completions = [c.text for g in groups for c in g]
         keys = sorted({k for f in features for k in f.fields})
@@ -216,12 +219,12 @@ class RolloutEngine:
             features = list(draw()["prompts"]) if need else []
             target = len(features) if target is None else target
             sampling = time.perf_counter()
-            groups = self._sample(features, rollout, draw_index)  # an empty list keeps a lockstep sampler matched
+            groups = self.sample_groups(features, rollout, draw_index)  # an empty list keeps a lockstep sampler matched
             stats.add("generation_time_s", time.perf_counter() - sampling)
             if not features:
                 continue
             scoring = time.perf_counter()
-            scored = self._score(features, groups, stats, report)
+            scored = self.score_groups(features, groups, stats, report)
             stats.add("reward_time_s", time.perf_counter() - scoring)
             informative = torch.ones(len(features), dtype=torch.bool)
             if self.dynamic_sampling:  # a group without a score is not informative either

@@ -26,7 +26,11 @@ EXAMPLE = REPO / "examples" / "vlm"
 def _make_videos():
     spec = importlib.util.spec_from_file_location("vlm_example_make_videos", EXAMPLE / "make_videos.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(EXAMPLE))  # it draws with make_images.py, as the script run from its folder does
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(EXAMPLE))
     return module
 
 
