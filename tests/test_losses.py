@@ -286,7 +286,8 @@ def test_cross_entropy_uses_pre_shifted_labels_when_the_batch_has_them():
 
 
 def test_require_whole_sequences_refuses_a_sequence_parallel_slice():
-    # the per-sequence losses that call it (twinkle-rl's preference and policy losses) are checked in that plugin
+    # for losses that cannot sum over the sequence group; the per-sequence losses (twinkle-rl's preference and
+    # policy losses) sum over it instead: see test_sequence_reduction_* below
     from twinkle_core.loss.base import LossContext, require_whole_sequences
 
     sliced = {"shift_labels": torch.zeros(2, 4, dtype=torch.long), "advantages": torch.ones(2)}
@@ -297,3 +298,46 @@ def test_require_whole_sequences_refuses_a_sequence_parallel_slice():
         require_whole_sequences(whole, "SomeLoss", LossContext(sp_size=2))
     require_whole_sequences(whole, "SomeLoss", LossContext())
     require_whole_sequences(whole, "SomeLoss")
+
+
+def test_sequence_reduction_is_the_identity_on_whole_rows_and_shares_slices():
+    """One process: whole rows (even with a sequence group in the context) and a slice with a group of one reduce
+    to themselves with share 1; a slice over 4 ranks reports a quarter (the 2-rank all-reduce and its gradient:
+    plugins/twinkle-rl/tests/test_sequence_parallel_losses.py)."""
+    from twinkle_core.loss.base import LossContext
+    from twinkle_core.loss.sequence_group import is_sequence_slice, sequence_reduction
+
+    values = torch.randn(3, 5, requires_grad=True)
+    sliced = {"shift_labels": torch.zeros(3, 5, dtype=torch.long)}
+    assert is_sequence_slice(sliced) and not is_sequence_slice({**sliced, "labels": sliced["shift_labels"]})
+    for inputs, context in (({"labels": sliced["shift_labels"]}, LossContext(sp_size=2)), (sliced, None),
+                            (sliced, LossContext(sp_size=1))):
+        reduction = sequence_reduction(inputs, context)
+        assert not reduction.sliced and reduction.share == 1.0
+        sums, counts = reduction.row_sums(values, torch.ones(3, 5))
+        assert torch.equal(sums, values.sum(-1)) and torch.equal(counts, torch.full((3,), 5.0))
+    assert sequence_reduction(sliced, LossContext(sp_size=4)).share == 0.25
+
+
+def test_sequence_reduction_tells_packed_slices_by_their_restarts():
+    from twinkle_core.loss.sequence_group import SequenceReduction
+
+    reduction = SequenceReduction()
+    sliced = {"shift_labels": torch.zeros(2, 6, dtype=torch.long)}
+    assert not reduction.rows_are_packed({**sliced, "position_ids": torch.arange(6).expand(2, 6)})
+    left_padded = torch.tensor([[-2, -2, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]])  # pads isolated at PAD_POSITION
+    assert not reduction.rows_are_packed({**sliced, "position_ids": left_padded})
+    assert reduction.rows_are_packed({**sliced, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)})
+    # whole rows: the padding-free layout (positions and no mask)
+    assert reduction.rows_are_packed({"labels": sliced["shift_labels"], "position_ids": left_padded})
+    assert not reduction.rows_are_packed({"labels": sliced["shift_labels"], "position_ids": left_padded,
+                                          "attention_mask": torch.ones(2, 6)})
+
+
+def test_a_fractional_count_is_not_rounded_up_in_the_mean():
+    from twinkle_core.loss.base import LossOutput
+
+    # one pair shared by 2 sequence-parallel ranks: each reports half its loss and half a pair
+    assert float(LossOutput(loss=torch.tensor(1.5), num_tokens=0.5).mean) == 3.0
+    assert float(LossOutput(loss=torch.tensor(1.5), num_tokens=0).mean) == 1.5  # 0: not normalised
+    assert float(LossOutput(loss=torch.tensor(1.5), num_tokens=3).mean) == 0.5

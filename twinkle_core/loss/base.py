@@ -35,7 +35,10 @@ class LossOutput:
 
     @property
     def mean(self) -> torch.Tensor:
-        return self.loss / max(float(self.num_tokens), 1.0)
+        """``loss / num_tokens``; ``loss`` itself for ``num_tokens=0``. A count may be fractional: a rank's share of
+        whole sequences under sequence parallelism (half a pair on each of 2 ranks) is not rounded up to 1."""
+        count = float(self.num_tokens)
+        return self.loss / count if count > 0 else self.loss
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,11 @@ class LossContext:
     ``start:end`` of the (padded) vocabulary: the built-in losses then take the softmax across the group without
     ever gathering ``[tokens, vocab]`` (:mod:`twinkle_core.loss.vocab_parallel`), and a loss that needs whole
     distributions raises a ``ConfigError``. ``None`` (the default): the logits are the full vocabulary.
+
+    ``sp_group`` / ``sp_size`` are the *sequence group*: every rank that holds a slice of the same rows (Ulysses
+    ``sp`` times ring ``cp``). A per-sequence loss sums its slices' values over it with
+    :func:`twinkle_core.loss.sequence_group.sequence_reduction`, which also says what share of the whole-sequence loss
+    each rank reports so that the group counts every sequence once.
     """
 
     dp_group: Any = None
@@ -110,8 +118,10 @@ class Loss(ABC):
 
 
 def require_whole_sequences(inputs: dict[str, Any], where: str, context: LossContext | None = None) -> None:
-    """Per-sequence losses (DPO, GRPO ...) need every token of a sequence on one rank: refuse a sequence-parallel
-    slice, marked by the core as ``shift_labels`` without ``labels``, or a context with ``sp_size > 1``."""
+    """For a loss that needs every token of a sequence on one rank and cannot sum over the ranks that split it:
+    refuse a sequence-parallel slice, marked by the core as ``shift_labels`` without ``labels``, or a context with
+    ``sp_size > 1``. A loss that only needs per-sequence *sums* (DPO, GRPO ...) takes them over the sequence group
+    with :func:`twinkle_core.loss.sequence_group.sequence_reduction` instead."""
     sliced = "shift_labels" in inputs and inputs.get("labels") is None
     if sliced or (context is not None and context.sp_size > 1):
         raise ValueError(f"{where} sums log-probs per sequence and does not support sequence parallelism "

@@ -55,6 +55,7 @@ from typing import Any, NamedTuple
 import torch
 
 from twinkle_core.constants import IGNORE_INDEX
+from twinkle_core.loss.sequence_group import is_sequence_slice
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -65,6 +66,7 @@ __all__ = [
     "linear_label_logprobs",
     "linear_logits",
     "next_token_labels",
+    "next_token_scores",
     "shift_labels",
     "tempered_token_logprobs",
     "token_logprobs",
@@ -373,3 +375,24 @@ def tempered_token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, tempe
     shifted = shift_labels(labels.to(logits.device), ignore_index)
     logps, _, entropy = _chunked_scores(logits, shifted, ignore_index, chunk_size, temperature, True, vocab_shard)
     return TokenLogprobs(logps[..., :-1], entropy[..., :-1], shifted[..., :-1] != ignore_index)
+
+
+def next_token_scores(logits: torch.Tensor, inputs: dict[str, Any], *, temperature: float = 1.0,
+                      ignore_index: int = IGNORE_INDEX, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                      vocab_shard: Any = None, with_entropy: bool = False) -> TokenLogprobs:
+    """:func:`tempered_token_logprobs` of the batch's labels, whole rows or sequence-parallel slices alike.
+
+    Whole rows (``inputs["labels"]`` ``[B, T]``): ``[B, T - 1]``, the shifted layout. A slice of each sequence
+    (``shift_labels`` ``[B, L]`` and no ``labels``: see :mod:`twinkle_core.loss.sequence_group`): ``[B, L]``, every
+    position, since the strategy shifted the labels before splitting (the last position of a slice scores the first
+    label of the next). Either way per-token inputs aligned by the strategy or the task match the result's layout.
+    ``entropy`` is all zeros unless ``with_entropy``.
+    """
+    sliced = is_sequence_slice(inputs)
+    labels = next_token_labels(inputs, ignore_index, logits.device) if sliced else shift_labels(
+        inputs["labels"].to(logits.device), ignore_index)
+    logps, _, entropy = _chunked_scores(logits, labels, ignore_index, chunk_size, temperature, with_entropy,
+                                        vocab_shard)
+    if not sliced:  # the last position of a whole row predicts nothing
+        logps, entropy, labels = logps[..., :-1], entropy[..., :-1], labels[..., :-1]
+    return TokenLogprobs(logps, entropy, labels != ignore_index)

@@ -15,6 +15,7 @@ from twinkle_rl.losses import DPOLoss, ORPOLoss, SimPOLoss
 
 from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import LossContext
+from twinkle_core.loss.logprobs import shift_labels
 
 IGNORE = -100
 DT = torch.float64
@@ -549,14 +550,19 @@ def test_dpo_refuses_a_reference_of_the_wrong_size():
 
 
 @pytest.mark.parametrize("make", ALL)
-def test_sequence_parallel_slices_are_refused(make):
+def test_a_pair_in_the_sliced_layout_gives_the_whole_row_loss(make):
+    """What a sequence-parallel strategy hands the loss on a group of one rank (``shift_labels``, no ``labels``) is
+    scored like the rows; the multi-rank case is ``test_sequence_parallel_losses``."""
     logits, inputs, _ = preference_batch(seed=17)
+    expected = make()({"logits": logits}, inputs)
+    expected_grad = torch.autograd.grad(expected.loss, logits)[0]
     sliced = {k: v for k, v in inputs.items() if k != "labels"}
-    sliced["shift_labels"] = inputs["labels"]
-    with pytest.raises(ValueError, match="sequence parallelism"):
-        make()({"logits": logits}, sliced)
-    with pytest.raises(ValueError, match="sequence parallelism"):
-        make()({"logits": logits}, inputs, context=LossContext(sp_size=2))
+    sliced["shift_labels"] = shift_labels(inputs["labels"])
+    for context in (None, LossContext(sp_size=1)):
+        got = make()({"logits": logits}, sliced, context=context)
+        assert got.num_tokens == expected.num_tokens
+        torch.testing.assert_close(got.loss.detach(), expected.loss.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch.autograd.grad(got.loss, logits)[0], expected_grad, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("make", ALL)

@@ -8,14 +8,16 @@ float32 test derives its tolerance from the arithmetic (:mod:`twinkle_core.testi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from twinkle_rl.losses.policy import DAPOLoss, DrGRPOLoss, GRPOLoss, GSPOLoss, PPOLoss
 
+from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import LossContext
-from twinkle_core.loss.logprobs import tempered_token_logprobs
+from twinkle_core.loss.logprobs import shift_labels, tempered_token_logprobs
 from twinkle_core.testing.loss_reference import (
     DT,
     IGNORE,
@@ -355,15 +357,44 @@ def test_gradient_accumulation_is_exact(loss_fn):
     close(grad(acc, logits), grad(full, logits))
 
 
-@pytest.mark.parametrize("cls", [GRPOLoss, DAPOLoss, DrGRPOLoss, GSPOLoss, PPOLoss])
-def test_sequence_parallel_slices_are_refused(cls):
-    logits = torch.randn(2, 4, 5)
-    sliced = {"shift_labels": torch.zeros(2, 4, dtype=torch.long), "advantages": torch.ones(2)}
-    with pytest.raises(ValueError, match="sequence parallelism"):
-        cls()({"logits": logits}, sliced)
-    whole = {"labels": torch.zeros(2, 4, dtype=torch.long), "advantages": torch.ones(2, 4)}
-    with pytest.raises(ValueError, match="sequence parallelism"):
-        cls()({"logits": logits}, whole, context=LossContext(sp_size=2))
+def sliced_layout(inputs: dict, length: int) -> dict:
+    """What a sequence-parallel strategy hands the loss on a group of one rank: ``shift_labels`` ``[B, T]`` (no
+    ``labels``), per-token inputs aligned with them (one padding column), global ``position_ids`` and no mask."""
+    sliced = {"shift_labels": shift_labels(inputs["labels"]), "position_ids": torch.arange(length).expand(
+        inputs["labels"].shape[0], -1)}
+    for key, value in inputs.items():
+        if key != "labels":
+            sliced[key] = torch.cat([value, value[:, :1]], dim=1) if value.dim() == 2 else value
+    return sliced
+
+
+@pytest.mark.parametrize("loss_fn", [*POLICY_LOSSES, PPOLoss(beta=0.05)], ids=lambda f: f"{type(f).__name__}")
+def test_a_sequence_in_the_sliced_layout_gives_the_whole_row_loss(loss_fn):
+    """The sliced layout of a whole sequence (sp group of one) is scored like the row (the multi-rank case, where
+    the per-sequence sums are all-reduced, is ``test_sequence_parallel_losses``)."""
+    logits, labels = make_batch(b=4, t=6, v=7, seed=21)
+    g = torch.Generator().manual_seed(22)
+    advantages = torch.randn(4, 5, dtype=DT, generator=g) if loss_fn.name == "ppo" else torch.randn(4, dtype=DT,
+                                                                                                    generator=g)
+    inputs = {"labels": labels, "advantages": advantages, "old_logps": -torch.rand(4, 5, dtype=DT, generator=g) * 3,
+              "ref_logps": -torch.rand(4, 5, dtype=DT, generator=g) * 3}
+    expected = loss_fn({"logits": logits}, inputs)
+    expected_grad = grad(expected.loss, logits)
+    for context in (None, LossContext(sp_size=1)):
+        got = loss_fn({"logits": logits}, sliced_layout(inputs, 6), context=context)
+        close(float(got.num_tokens), float(expected.num_tokens))
+        close(got.loss.detach(), expected.loss.detach())
+        close(grad(got.loss, logits), expected_grad)
+
+
+def test_dr_grpo_under_sequence_parallelism_needs_the_completion_length():
+    from twinkle_core.loss.sequence_group import SequenceReduction
+
+    logits, labels = make_batch(b=2, t=4, v=5, seed=23)
+    tokens = DrGRPOLoss().policy_tokens({"logits": logits}, {"labels": labels, "advantages": torch.ones(2)})
+    sliced = dataclasses.replace(tokens, reduction=SequenceReduction(size=2))
+    with pytest.raises(ConfigError, match="max_completion_length"):
+        DrGRPOLoss().aggregate(tokens.logps, sliced)
 
 
 @pytest.mark.parametrize("cls", [GRPOLoss, DrGRPOLoss, GSPOLoss, DAPOLoss])
@@ -373,6 +404,11 @@ def test_packed_rows_are_refused_where_a_row_must_be_one_completion(cls):
               "advantages": torch.ones(1)}
     with pytest.raises(ValueError, match="packed"):
         cls()({"logits": logits}, packed)
+    # the sliced layout always has position_ids and no mask: there the restarts at position 0 tell
+    sliced = {key: value for key, value in packed.items() if key != "labels"}
+    sliced["shift_labels"] = packed["labels"]
+    with pytest.raises(ValueError, match="packed"):
+        cls()({"logits": logits}, sliced)
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": 0.0}, {"temperature": -1.0}, {"beta": -0.1}, {"chunk_size": 0}])

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
-from twinkle_core.loss.base import LossContext, require_whole_sequences, vocab_shard_of
-from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs
+from twinkle_core.loss.base import LossContext, LossOutput, vocab_shard_of
+from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, TokenLogprobs, next_token_scores
+from twinkle_core.loss.sequence_group import SequenceReduction, sequence_reduction
 from twinkle_rl import layout
 from twinkle_rl.checks import finite_number
 from twinkle_rl.losses.scoring import TokenScoringLoss
@@ -28,6 +29,9 @@ class PairLogps:
     chosen_tokens: torch.Tensor
     rejected_tokens: torch.Tensor
     pairs: layout.Pairs
+    #: the part of each pair's loss this rank reports: ``1 / sp_size`` when every rank of a sequence-parallel group
+    #: computes the same whole pairs (see :mod:`twinkle_core.loss.sequence_group`), else 1
+    share: float = 1.0
 
     @property
     def chosen_mean(self) -> torch.Tensor:
@@ -39,6 +43,12 @@ class PairLogps:
 
     def __len__(self) -> int:
         return len(self.pairs)
+
+    def output(self, losses: torch.Tensor, metrics: dict[str, float]) -> LossOutput:
+        """The per-pair ``losses`` summed, counted in pairs: this rank's :attr:`share` of both."""
+        if self.share == 1.0:
+            return LossOutput(loss=losses.sum(), num_tokens=len(self), metrics=metrics)
+        return LossOutput(loss=losses.sum() * self.share, num_tokens=len(self) * self.share, metrics=metrics)
 
 
 #: how the SFT (NLL) term on the chosen answers is averaged; see :class:`PreferenceLoss`
@@ -71,6 +81,11 @@ class PreferenceLoss(TokenScoringLoss):
       this term is not invariant to how a step is split: two micro-batches of ``n`` pairs are not one of
       ``2n`` (each half has its own token mean).
 
+    Under sequence parallelism (strategy ``ulysses``) each rank scores its slice of every sequence and the answers'
+    sums and token counts are summed over the sequence group (:mod:`twinkle_core.loss.sequence_group`); every rank
+    then computes the same pairs and reports ``1 / sp_size`` of their loss and count. Packed pairs
+    (``data.packing``) are refused there.
+
     With ``sft_weight > 0`` both averages are logged: ``nll/chosen`` (``"answer"``'s, the mean over pairs of
     each chosen answer's mean NLL) and ``nll/chosen_batch_tokens`` (``"batch_tokens"``'s, the value TRL logs
     as ``nll_loss`` for DPO and CPO / SimPO).
@@ -88,11 +103,14 @@ class PreferenceLoss(TokenScoringLoss):
     def pair_logps(self, outputs: dict[str, Any], inputs: dict[str, Any],
                    context: LossContext | None = None) -> PairLogps:
         """Sum and length of every answer under the policy, per pair; errors for batches a pair loss cannot use."""
-        require_whole_sequences(inputs, self.where, context)
         pairs = layout.pairs(inputs, self.where)
-        logps, mask = token_logprobs(outputs["logits"], inputs["labels"], self.ignore_index, self.chunk_size,
-                                     vocab_shard=vocab_shard_of(context))
-        sums, counts = layout.sequence_sums(logps, mask, inputs, 2 * len(pairs))
+        reduction = sequence_reduction(inputs, context)
+        scored = next_token_scores(outputs["logits"], inputs, ignore_index=self.ignore_index,
+                                   chunk_size=self.chunk_size, vocab_shard=vocab_shard_of(context))
+        if reduction.sliced:
+            sums, counts = self.sliced_sequence_sums(scored, inputs, reduction, 2 * len(pairs))
+        else:
+            sums, counts = layout.sequence_sums(scored.logps, scored.mask, inputs, 2 * len(pairs))
         empty = (counts == 0).nonzero().flatten().tolist()
         if empty:
             # a length-normalised term would divide by zero and a summed one would compare an answer with nothing
@@ -100,7 +118,17 @@ class PreferenceLoss(TokenScoringLoss):
                              f"ignore_index={self.ignore_index}); the answer was truncated away, raise data.max_length "
                              f"or drop such pairs")
         chosen, rejected = pairs.chosen.to(sums.device), pairs.rejected.to(sums.device)
-        return PairLogps(sums[chosen], sums[rejected], counts[chosen], counts[rejected], pairs)
+        return PairLogps(sums[chosen], sums[rejected], counts[chosen], counts[rejected], pairs, reduction.share)
+
+    def sliced_sequence_sums(self, scored: TokenLogprobs, inputs: dict[str, Any], reduction: SequenceReduction,
+                             num_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole-sequence answer sums and token counts from this rank's slice of every row (one sequence a row)."""
+        if inputs.get("sequence_index") is not None:
+            raise ValueError(f"{self.where}: packed preference batches (data.packing) are not supported under "
+                             f"sequence parallelism (mesh sp / cp > 1); set data.packing: false")
+        if scored.logps.shape[0] != num_sequences:
+            raise layout.PairLayoutError(f"{scored.logps.shape[0]} rows for {num_sequences} sequences")
+        return reduction.row_sums(scored.logps, scored.mask.to(scored.logps.dtype))
 
     def chosen_nll(self, logps: PairLogps, metrics: dict[str, float]) -> torch.Tensor:
         """Per pair, its share of the chosen answers' NLL under ``sft_normalization`` (the mean over pairs is the

@@ -13,6 +13,13 @@ column is dropped):
 KL: ``KL_t = exp(ref - logp) - (ref - logp) - 1``, Schulman's k3 estimator of ``KL(pi || pi_ref)`` (as in
 DeepSeekMath and TRL): unbiased, non-negative, evaluated on the sampled tokens.
 
+Sequence parallelism (strategy ``ulysses``: Ulysses, ring or both): the batch holds each rank's slice of every
+row (``shift_labels`` ``[B, L]``, no ``labels``; per-token inputs sliced and aligned with it by the strategy). Token
+sums add up over the ranks as they are; per-sequence means, counts and ratios are summed over the sequence group
+first (:mod:`twinkle_core.loss.sequence_group`), and a per-sequence loss reports ``1 / sp_size`` of its sum and of
+its sequence count on each rank, so that the group counts every sequence once. ``dr_grpo`` then needs
+``max_completion_length`` (a slice's length is not the batch's).
+
 Metrics (means over this micro-batch): ``clip_fraction`` (share of the loss's units, tokens or sequences,
 where the clipped branch is active, i.e. the unit gets no gradient from the surrogate), ``ratio_mean``,
 ``entropy`` (mean over label tokens of the entropy of ``softmax(logits / temperature)``, no gradient) and,
@@ -27,10 +34,10 @@ from typing import Any, ClassVar
 import torch
 
 from twinkle_core.constants import IGNORE_INDEX
-from twinkle_core.data.collate import is_packed_batch
-from twinkle_core.loss.base import LossContext, require_whole_sequences, vocab_shard_of
+from twinkle_core.loss.base import LossContext, vocab_shard_of
 from twinkle_core.loss.helpers import align_to_shifted, require, scalar
-from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, tempered_token_logprobs
+from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE, next_token_scores
+from twinkle_core.loss.sequence_group import SequenceReduction, sequence_reduction
 from twinkle_rl.checks import finite_number
 from twinkle_rl.losses.scoring import TokenScoringLoss
 
@@ -59,14 +66,22 @@ class PolicyTokens:
     entropy: torch.Tensor
     mask: torch.Tensor
     weights: torch.Tensor
+    #: whole rows, or this rank's slices of them (sequence parallelism): see :mod:`twinkle_core.loss.sequence_group`
+    reduction: SequenceReduction = SequenceReduction()
+
+    @property
+    def share(self) -> float:
+        """The part of a per-sequence loss (and of its sequence count) this rank reports (``1 / sp_size``)."""
+        return self.reduction.share
 
     def sequence_mean(self, per_token: torch.Tensor) -> torch.Tensor:
-        """``[B]``: the mean of ``per_token`` over each row's label tokens (0 for a row without any)."""
-        return (per_token * self.weights).sum(-1) / self.weights.sum(-1).clamp(min=1)
+        """``[B]``: the mean of ``per_token`` over each whole row's label tokens (0 for a row without any)."""
+        sums, counts = self.reduction.row_sums(per_token, self.weights)
+        return sums / counts.clamp(min=1)
 
     def sequences(self) -> torch.Tensor:
         """``[B]`` floats: 1 for a row with at least one label token (padding rows count for nothing)."""
-        return (self.weights.sum(-1) > 0).to(self.weights.dtype)
+        return (self.reduction.count(self.weights.sum(-1)) > 0).to(self.weights.dtype)
 
     def token_mean(self, per_token: torch.Tensor) -> float:
         return scalar((per_token * self.weights).sum() / self.weights.sum().clamp(min=1))
@@ -97,12 +112,12 @@ class PolicyLoss(TokenScoringLoss):
     def policy_tokens(self, outputs: dict[str, Any], inputs: dict[str, Any],
                       context: LossContext | None = None) -> PolicyTokens:
         """Score the labels under the policy; align ``old_logps`` / ``ref_logps``; errors for unusable batches."""
-        require_whole_sequences(inputs, self.where, context)
+        reduction = sequence_reduction(inputs, context)
         if self.per_sequence:
-            self.require_one_sequence_per_row(inputs)
-        scored = tempered_token_logprobs(outputs["logits"], inputs["labels"], temperature=self.temperature,
-                                         ignore_index=self.ignore_index, chunk_size=self.chunk_size,
-                                         vocab_shard=vocab_shard_of(context))
+            self.require_one_sequence_per_row(inputs, reduction)
+        scored = next_token_scores(outputs["logits"], inputs, temperature=self.temperature,
+                                   ignore_index=self.ignore_index, chunk_size=self.chunk_size,
+                                   vocab_shard=vocab_shard_of(context), with_entropy=True)
         logps, mask = scored.logps, scored.mask
         zeros = torch.zeros_like(logps)
         old = self.token_input(inputs, "old_logps", logps) if inputs.get("old_logps") is not None else logps.detach()
@@ -114,15 +129,17 @@ class PolicyLoss(TokenScoringLoss):
             kl = torch.exp(ref_gap) - ref_gap - 1.0
         elif self.beta != 0.0:
             raise KeyError(f"{self.where} with beta={self.beta} needs inputs['ref_logps']")
-        return PolicyTokens(logps, log_ratio, kl, scored.entropy, mask, mask.to(logps.dtype))
+        return PolicyTokens(logps, log_ratio, kl, scored.entropy, mask, mask.to(logps.dtype), reduction)
 
     def token_input(self, inputs: dict[str, Any], key: str, like: torch.Tensor) -> torch.Tensor:
         """``inputs[key]`` in the shifted ``[B, T - 1]`` layout of ``like`` (a ``[B]`` tensor is broadcast)."""
         value = torch.as_tensor(require(inputs, key, self.where, "inputs")).to(like.device)
         return align_to_shifted(value, like.shape[0], like.shape[1], key).to(like.dtype)
 
-    def require_one_sequence_per_row(self, inputs: dict[str, Any]) -> None:
-        if is_packed_batch(inputs):
+    def require_one_sequence_per_row(self, inputs: dict[str, Any], reduction: SequenceReduction) -> None:
+        """Refuse packed rows (collective over the sequence group for sliced rows, whose packing only the whole
+        group can see)."""
+        if reduction.rows_are_packed(inputs):
             raise ValueError(f"{self.where} takes each row for one completion (per-sequence advantages, means or "
                              f"ratios), but the batch is packed (position_ids without attention_mask); train the "
                              f"policy on padded batches")

@@ -108,4 +108,4 @@ class DPOLoss(PreferenceLoss):
 
         metrics = pair_metrics(self.beta * chosen_ratio, self.beta * rejected_ratio, logps.chosen, logps.rejected)
         losses = losses + self.sft_term(logps, metrics)
-        return LossOutput(loss=losses.sum(), num_tokens=len(logps), metrics=metrics)
+        return logps.output(losses, metrics)

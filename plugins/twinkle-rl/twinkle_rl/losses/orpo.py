@@ -65,4 +65,4 @@ class ORPOLoss(PreferenceLoss):
         metrics["log_odds_ratio"] = mean(ratio_term)
         metrics["log_odds_chosen"] = mean(log_odds_ratio)
         losses = self.chosen_nll(logps, metrics) - self.beta * ratio_term
-        return LossOutput(loss=losses.sum(), num_tokens=len(logps), metrics=metrics)
+        return logps.output(losses, metrics)

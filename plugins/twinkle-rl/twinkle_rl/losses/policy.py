@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 import torch
 
 from twinkle_core.constants import IGNORE_INDEX
+from twinkle_core.errors import ConfigError
 from twinkle_core.loss.base import LossContext, LossOutput
 from twinkle_core.loss.logprobs import DEFAULT_CHUNK_SIZE
 from twinkle_rl.checks import optional_integer
@@ -54,7 +55,8 @@ class _TokenRatioLoss(PolicyLoss):
 
     def advantages(self, inputs: dict[str, Any], tokens: PolicyTokens) -> torch.Tensor:
         if torch.as_tensor(inputs.get("advantages", 0.0)).dim() == 1:
-            self.require_one_sequence_per_row(inputs)  # one advantage per row: a row must be one completion
+            # one advantage per row: a row must be one completion
+            self.require_one_sequence_per_row(inputs, tokens.reduction)
         return self.token_input(inputs, "advantages", tokens.logps)
 
     def __call__(self, outputs: dict[str, Any], inputs: dict[str, Any],
@@ -84,7 +86,8 @@ class GRPOLoss(_TokenRatioLoss):
                          beta=beta, temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size)
 
     def aggregate(self, per_token: torch.Tensor, tokens: PolicyTokens) -> tuple[torch.Tensor, Any]:
-        return tokens.sequence_mean(per_token).sum(), tokens.sequences().sum()
+        # per-sequence means over whole rows: each rank of a sequence-parallel group reports its share of them
+        return tokens.sequence_mean(per_token).sum() * tokens.share, tokens.sequences().sum() * tokens.share
 
 
 class DAPOLoss(_TokenRatioLoss):
@@ -125,8 +128,12 @@ class DrGRPOLoss(_TokenRatioLoss):
                                                       low=1)
 
     def aggregate(self, per_token: torch.Tensor, tokens: PolicyTokens) -> tuple[torch.Tensor, Any]:
+        if self.max_completion_length is None and tokens.reduction.sliced:
+            raise ConfigError(f"{self.where}: under sequence parallelism the batch's length is not the length of a "
+                              f"rank's slice; set the loss option max_completion_length (the generation limit)")
         length = self.max_completion_length or per_token.shape[-1]
-        return per_token.sum() / length, tokens.sequences().sum()
+        # a token sum (the slices' sums add up over the ranks) over a count of whole sequences (shared)
+        return per_token.sum() / length, tokens.sequences().sum() * tokens.share
 
 
 class PPOLoss(DAPOLoss):
@@ -192,7 +199,7 @@ class GSPOLoss(PolicyLoss):
         if tokens.kl is not None and self.beta != 0.0:
             loss_seq = loss_seq + self.beta * tokens.sequence_mean(tokens.kl)
         sequences = tokens.sequences()
-        return LossOutput(loss=(loss_seq * sequences).sum(), num_tokens=sequences.sum(),
+        return LossOutput(loss=(loss_seq * sequences).sum() * tokens.share, num_tokens=sequences.sum() * tokens.share,
                           metrics=self.metrics(tokens, ratio, is_clipped, sequences))
 
 

@@ -47,4 +47,4 @@ class SimPOLoss(PreferenceLoss):
         losses = smoothed_sigmoid_loss(chosen_rewards - rejected_rewards - self.gamma, self.label_smoothing)
         metrics = pair_metrics(chosen_rewards, rejected_rewards, logps.chosen_mean, logps.rejected_mean)
         losses = losses + self.sft_term(logps, metrics)
-        return LossOutput(loss=losses.sum(), num_tokens=len(logps), metrics=metrics)
+        return logps.output(losses, metrics)
