@@ -48,7 +48,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from twinkle_core.errors import ConfigError
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from twinkle_core.model.base import TwinkleModel
+    from twinkle_core.prompt_inputs import PromptInputs
 
 WEIGHT_SYNC_MODES = ("in_process", "push")
 
@@ -65,6 +68,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     #: tokens that end a completion besides the tokenizer's EOS (a chat template's end-of-turn token)
     stop_token_ids: tuple[int, ...] = ()
+    #: tokens never drawn (a vision-language model's picture placeholders: a completion cannot show a picture)
+    suppress_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -84,6 +89,12 @@ class SamplingParams:
         if not all(float(t) == int(t) for t in ids):
             raise ConfigError(f"task_options.sampling.stop_token_ids must be integers, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        suppressed = ([self.suppress_token_ids] if isinstance(self.suppress_token_ids, int)
+                      else list(self.suppress_token_ids))
+        if not all(float(t) == int(t) for t in suppressed):
+            raise ConfigError(f"task_options.sampling.suppress_token_ids must be integers, got "
+                              f"{self.suppress_token_ids!r}")
+        object.__setattr__(self, "suppress_token_ids", tuple(sorted({int(t) for t in suppressed})))
 
 
 @dataclass
@@ -154,6 +165,10 @@ class Sampler(ABC):
     #: "in_process" (reads the policy's parameters) or "push" (receives :class:`WeightUpdate` s); a sampler
     #: whose mode depends on its options sets it on the instance before calling ``Sampler.__init__``
     weight_sync: str = "in_process"
+    #: whether :meth:`sample` takes ``inputs``: prompts that carry more than token ids (a vision-language prompt's
+    #: pictures and positions, :class:`~twinkle_core.prompt_inputs.PromptInputs`); a task with such prompts refuses
+    #: a sampler that does not
+    takes_prompt_inputs: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         if self.weight_sync not in WEIGHT_SYNC_MODES:
@@ -195,9 +210,26 @@ class Sampler(ABC):
 
     @abstractmethod
     def sample(self, prompts: list[list[int]], *, n: int, params: SamplingParams,
-               seeds: list[list[int]]) -> list[list[Completion]]:
+               seeds: list[list[int]], inputs: Sequence[PromptInputs | None] | None = None) -> list[list[Completion]]:
         """``n`` completions for each prompt (token ids, no padding); ``seeds[i][j]`` seeds completion
-        ``j`` of prompt ``i`` so that the result does not depend on batching or the number of ranks."""
+        ``j`` of prompt ``i`` so that the result does not depend on batching or the number of ranks.
+        ``inputs[i]``: what prompt ``i`` hands the model besides its ids (only a sampler that declares
+        ``takes_prompt_inputs`` is given them; lay them out with
+        :func:`~twinkle_core.prompt_inputs.batch_prompt_inputs`)."""
 
     def close(self) -> None:
         """Release what the sampler holds (engines, threads); the trainer calls it at the end."""
+
+
+def sample_prompts(sampler: Sampler, prompts: list[list[int]], *, n: int, params: SamplingParams,
+                   seeds: list[list[int]], inputs: Sequence[PromptInputs | None] | None = None,
+                   ) -> list[list[Completion]]:
+    """``sampler.sample`` with prompt ``inputs`` where a prompt has them: a sampler that does not declare
+    ``takes_prompt_inputs`` is never handed any (it may predate them), and is refused for prompts that need them."""
+    if inputs is None or all(item is None for item in inputs):
+        return sampler.sample(prompts, n=n, params=params, seeds=seeds)
+    if not sampler.takes_prompt_inputs:
+        raise ConfigError(f"sampler {sampler.name or type(sampler).__name__!r} samples from token ids only, but "
+                          f"these prompts carry more (a vision-language prompt's pictures and positions); use "
+                          f"the hf_generate sampler, which passes them to the policy")
+    return sampler.sample(prompts, n=n, params=params, seeds=seeds, inputs=list(inputs))

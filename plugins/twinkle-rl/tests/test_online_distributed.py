@@ -24,6 +24,9 @@ losses and gradient norms from the trainer's ``logs.jsonl`` and saves the final 
   tool-call and environment-reward values are sums over every rank; also with the ``ppo`` task;
 * a DDP run resumed from a mid-rollout checkpoint continues as the uninterrupted run (every rank resumes its
   own share of the rollout queue: the trainer gathers ``task.state_dict()`` of every rank into the checkpoint);
+* the ``vlm_grpo`` task (where twinkle-vlm is installed): prompts that show pictures on a tiny Qwen2.5-VL, every
+  part trained, each rank sampling and training its prompts with their pictures and 3-D positions (FSDP2: the
+  vision tower's prefill is a collective of every rank too);
 * ``MegatronModel`` at TP=2 with ``hf_generate`` ``copy_weights: true`` (it samples with its own HF copy of the
   gathered weights) against a single-process ``TransformersModel`` sampling in process, from the same saved
   HF weights, built by the trainer like any model class.
@@ -38,6 +41,7 @@ backend, each well under a minute.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -76,11 +80,15 @@ SINGLE_RUNS = {
     "calculator": {"strategy": "single", "environment": "calculator"},
     "agent": {"strategy": "single", "environment": "online_dist:Counting"},
     "ppo_agent": {"strategy": "single", "task": "ppo", "environment": "online_dist:Counting"},
+    # the vlm_grpo task: prompts that show pictures, a tiny Qwen2.5-VL (3-D positions, vision tower, projector)
+    **({"vlm": {"strategy": "single", "vlm": True}} if importlib.util.find_spec("twinkle_vlm") else {}),
 }
 #: the runs of the ppo task (their rollouts also record the critic's GAE)
 PPO_KEYS = ("ppo", "ppo_agent")
 #: the runs with an environment, and the log values the agent rollouts add
 AGENT_KEYS = ("calculator", "agent", "ppo_agent")
+#: the runs on pictures (where twinkle-vlm is installed)
+VLM_KEYS = tuple(key for key in ("vlm",) if key in SINGLE_RUNS)
 #: counts and exact sums over every rank's trajectories (rewards in halves, so any order sums them exactly)
 AGENT_LOG_KEYS = ("turns_mean", "tool_calls_mean", "tool_call_errors", "env_timeouts", "env_errors",
                   "reward/environment")
@@ -92,7 +100,7 @@ DIST_RUNS = {
     # checkpoint-1 is mid-rollout: the queue holds the rollout's second PPO epoch, a share of it on each rank
     ("ddp", "grpo-resumed"): {"strategy": "ddp", "resume_at": 1},
     **{(strategy, key): {**SINGLE_RUNS[key], "strategy": strategy}
-       for key in ("ppo", *AGENT_KEYS) for strategy in ("ddp", "native_fsdp")},
+       for key in ("ppo", *AGENT_KEYS, *VLM_KEYS) for strategy in ("ddp", "native_fsdp")},
 }
 RESUME_AT = 1
 MEGATRON_RUN = {"backend": "megatron", "mesh": {"tp": 2}, "copy_weights": True}
@@ -178,8 +186,14 @@ def weight_names(run: Run) -> list[str]:
     return sorted(torch.load(run["weights"]))
 
 
-def model_config(reference: dict[str, Any]) -> dict[str, Any]:
-    return json.loads((Path(reference["init"]) / "hf" / "config.json").read_text())
+def model_config(reference: dict[str, Any], name: str = "grpo") -> dict[str, Any]:
+    """The widths and depth the tolerances read: the tiny Qwen2's, or for the vlm runs the tiny Qwen2.5-VL's
+    language model with the vision tower's blocks added to its depth."""
+    if name not in VLM_KEYS:
+        return json.loads((Path(reference["init"]) / "hf" / "config.json").read_text())
+    config = json.loads((Path(reference["init"]) / "vlm" / "config.json").read_text())
+    text = config["text_config"]
+    return {**text, "num_hidden_layers": text["num_hidden_layers"] + config["vision_config"]["depth"]}
 
 
 # ---------------------------------------------------------------------- tolerances
@@ -331,7 +345,7 @@ def test_references_learn_sync_and_measure_their_own_spread(reference):
         # reversing the prompts keeps every completion (seeded by its prompt), and only reorders the sums
         reordered = ref["reordered"]
         assert [r["prompts"] for r in reordered["rollouts"][0]] == [r["prompts"][::-1] for r in rollouts]
-        assert_same_rollouts(reordered, ref, f"{name} reversed", model_config(reference))
+        assert_same_rollouts(reordered, ref, f"{name} reversed", model_config(reference, name))
         spread = max_abs_diff(weights(ref), weights(reordered))
         assert 0 < spread < 1e-3, f"{name}: reversing the prompts moved the weights by {spread:.3g}; the " \
                                   f"spread must measure float noise, and some"
@@ -350,7 +364,7 @@ def test_two_ranks_train_as_one_process(reference, hf_runs, key):
     run, ref = hf_runs[key], reference["refs"][advantage]
     assert run["world_size"] == run["dp_size"] == 2, run["spec"]
     what = f"{strategy} {advantage}"
-    deltas = {"logprobs": assert_same_rollouts(run, ref, what, model_config(reference))}
+    deltas = {"logprobs": assert_same_rollouts(run, ref, what, model_config(reference, advantage))}
     mine, theirs = groups_by_prompt(run), groups_by_prompt(ref)
     tolerance = 0.0  # GRPO: the same rewards of a group, normalised by the same code on one rank
     if advantage == "reinforce_pp":

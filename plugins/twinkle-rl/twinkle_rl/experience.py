@@ -9,6 +9,12 @@ for the label at ``t + 1``):
 * ``ref_logps``: the reference model's, when a KL term needs them;
 * ``advantages``: ``[S]`` per sequence (GRPO family), or ``[S, T - 1]`` per token.
 
+Prompts that carry more than token ids (a vision-language prompt's pictures,
+:class:`~twinkle_core.prompt_inputs.PromptInputs`) put them in the batch as a list, one entry per row
+(``prompt_inputs``), with the prompts' lengths (``prompt_lengths``); :func:`select_rows` lays a micro-batch's
+entries out as model inputs (:func:`~twinkle_core.prompt_inputs.batch_prompt_inputs`: per-token values, the
+positions the completion was sampled at, the pictures of its rows), so a queued micro-batch holds tensors only.
+
 Sequence ``s`` of a rollout of ``P`` prompts with ``n`` completions each is completion ``s % n`` of prompt
 ``s // n``: a group is contiguous and never split by the rollout itself. The advantages are computed over the
 whole rollout before it is cut into micro-batches (:func:`micro_batch_order`), so a micro-batch need not hold
@@ -25,17 +31,22 @@ import torch
 
 from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
+from twinkle_core.prompt_inputs import PromptInputs, batch_prompt_inputs
 from twinkle_core.sampling import Completion, sample_seed
+
+#: the batch keys of prompts with model inputs besides their ids (see the module doc)
+PROMPT_INPUTS, PROMPT_LENGTHS = "prompt_inputs", "prompt_lengths"
 
 
 def experience_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Completion], *,
                      pad_token_id: int, train_masks: Sequence[Sequence[bool] | None] | None = None,
-                     ) -> dict[str, torch.Tensor]:
+                     inputs: Sequence[PromptInputs | None] | None = None) -> dict[str, Any]:
     """Tensors of ``len(completions)`` rows; ``prompts[s]`` is the prompt of ``completions[s]``.
 
     ``train_masks[s]`` (default: ``completions[s].extra["train_mask"]`` where a completion has one) marks which of
     its tokens are trained: a multi-turn agent rollout's completion holds the environment's tokens too, which get
-    no label and an old log-prob of 0 (:mod:`twinkle_rl.agent_rollout`)."""
+    no label and an old log-prob of 0 (:mod:`twinkle_rl.agent_rollout`). ``inputs[s]``: the model inputs of
+    ``prompts[s]`` besides its ids, or None (see the module doc)."""
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
     if train_masks is None:
@@ -56,7 +67,14 @@ def experience_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Com
             old_logps[s, start - 1:end - 1] = torch.tensor(completion.logprobs, dtype=torch.float32)
             if train_masks[s] is not None:
                 _mask_untrained(labels[s, start:end], old_logps[s, start - 1:end - 1], train_masks[s])
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "old_logps": old_logps}
+    batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+                             "old_logps": old_logps}
+    if inputs is not None and any(item is not None for item in inputs):
+        if len(inputs) != rows:
+            raise ValueError(f"{len(inputs)} prompt inputs for {rows} completions")
+        batch[PROMPT_INPUTS] = list(inputs)
+        batch[PROMPT_LENGTHS] = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    return batch
 
 
 def _mask_untrained(labels: torch.Tensor, old_logps: torch.Tensor, mask: Sequence[bool]) -> None:
@@ -69,9 +87,12 @@ def _mask_untrained(labels: torch.Tensor, old_logps: torch.Tensor, mask: Sequenc
 
 
 def select_rows(batch: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
-    """The rows ``rows`` of every per-sequence entry, trimmed to the longest remaining sequence."""
+    """The rows ``rows`` of every per-sequence entry, trimmed to the longest remaining sequence; prompt inputs
+    become the rows' model inputs (see the module doc)."""
     out: dict[str, Any] = {}
     for key, value in batch.items():
+        if key == PROMPT_INPUTS:
+            continue
         out[key] = value[rows] if isinstance(value, torch.Tensor) and value.dim() >= 1 else value
     width = int(out["attention_mask"].sum(-1).max().item()) if rows.numel() else 1
     width = max(width, 2)
@@ -81,6 +102,10 @@ def select_rows(batch: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
         value = out.get(key)
         if isinstance(value, torch.Tensor) and value.dim() == 2:
             out[key] = value[:, :width - 1]
+    if PROMPT_INPUTS in batch:
+        lengths = out.pop(PROMPT_LENGTHS).tolist()
+        chosen = [batch[PROMPT_INPUTS][i] for i in rows.tolist()]
+        out.update(batch_prompt_inputs(chosen, starts=[0] * len(chosen), lengths=lengths, width=width))
     return out
 
 
@@ -116,5 +141,5 @@ def completion_lengths(completions: Sequence[Completion]) -> torch.Tensor:
     return torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
 
 
-__all__ = ["IGNORE_INDEX", "completion_lengths", "experience_batch", "masked_rows", "micro_batch_order",
+__all__ = ["IGNORE_INDEX", "PROMPT_INPUTS", "PROMPT_LENGTHS", "completion_lengths", "experience_batch", "masked_rows", "micro_batch_order",
            "select_rows"]

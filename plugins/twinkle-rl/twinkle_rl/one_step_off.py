@@ -33,7 +33,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from twinkle_core.errors import ConfigError
+from twinkle_core.prompt_inputs import PromptInputs
 from twinkle_core.sampling import Completion
+from twinkle_rl.experience import PROMPT_INPUTS
 from twinkle_rl.prompts import PromptFeature, collate_prompts
 from twinkle_rl.rollout import RewardReport, Rollout, RolloutEngine, RolloutStats
 
@@ -100,7 +102,10 @@ _COMPLETION_FIELDS = ("token_ids", "logprobs", "finish_reason", "policy_step", "
 
 def rollout_state(rollout: Rollout) -> dict[str, Any]:
     """A sampled rollout as a checkpoint holds it (a completion's sampler-specific ``extra`` is left out)."""
-    return {"batch": dict(rollout.batch), "rewards": rollout.rewards, "advantages": rollout.advantages,
+    batch = dict(rollout.batch)
+    if PROMPT_INPUTS in batch:  # plain dicts, which a checkpoint loads with weights_only=True
+        batch[PROMPT_INPUTS] = [None if item is None else item.state() for item in batch[PROMPT_INPUTS]]
+    return {"batch": batch, "rewards": rollout.rewards, "advantages": rollout.advantages,
             "completions": [{key: getattr(c, key) for key in _COMPLETION_FIELDS} for c in rollout.completions],
             "reward_magnitudes": dict(rollout.report.magnitudes)}
 
@@ -108,7 +113,10 @@ def rollout_state(rollout: Rollout) -> dict[str, Any]:
 def rollout_from_state(state: dict[str, Any]) -> Rollout:
     """The inverse of :func:`rollout_state`."""
     completions = [Completion(**{key: c[key] for key in _COMPLETION_FIELDS}) for c in state["completions"]]
-    return Rollout(batch=dict(state["batch"]), completions=completions, rewards=state["rewards"],
+    batch = dict(state["batch"])
+    if PROMPT_INPUTS in batch:
+        batch[PROMPT_INPUTS] = [None if item is None else PromptInputs.from_state(item) for item in batch[PROMPT_INPUTS]]
+    return Rollout(batch=batch, completions=completions, rewards=state["rewards"],
                    advantages=state["advantages"], report=RewardReport(magnitudes=dict(state["reward_magnitudes"])))
 
 

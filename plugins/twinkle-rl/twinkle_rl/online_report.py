@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from twinkle_core.sampling import SamplingParams, sample_seed
+from twinkle_core.sampling import SamplingParams, sample_prompts, sample_seed
 from twinkle_rl.rollout import DataParallel, RolloutEngine, RolloutStats
 
 #: sums every rank reduces, also a rank whose rollouts had none of them (the keys must agree)
@@ -94,7 +94,8 @@ def evaluate_prompts(engine: RolloutEngine, prompts: list[Any], *, seed: int, ba
     for c in range(chunks):  # the same number of sampler calls on every rank (a lockstep sampler)
         chunk = mine[c * batch_size:(c + 1) * batch_size]
         seeds = [[sample_seed(seed, -1, f.index, j) for j in range(num_generations)] for f in chunk]
-        groups = engine.sampler.sample([f.prompt_ids for f in chunk], n=num_generations, params=params, seeds=seeds)
+        groups = sample_prompts(engine.sampler, [f.prompt_ids for f in chunk], n=num_generations, params=params,
+                                seeds=seeds, inputs=[f.inputs for f in chunk])
         if chunk:
             sums += _chunk_sums(engine, chunk, groups, num_generations)
     sums = dp.sum(sums)

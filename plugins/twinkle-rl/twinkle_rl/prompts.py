@@ -28,6 +28,7 @@ from twinkle_core.data.formats import RowError
 from twinkle_core.data.loading import load_records
 from twinkle_core.data.template import Template
 from twinkle_core.errors import ConfigError, DataFormatError
+from twinkle_core.prompt_inputs import PromptInputs
 from twinkle_rl.rows import ROWS_SOURCE, prompt_messages
 
 logger = logging.getLogger("twinkle.rl")
@@ -39,13 +40,15 @@ PROMPT_OVER_LENGTH = ("skip", "truncate_left")
 
 @dataclass(frozen=True)
 class PromptFeature:
-    """One prompt: its index in the data set (seeds its completions), token ids, text and reward fields."""
+    """One prompt: its index in the data set (seeds its completions), token ids, text and reward fields; ``inputs``:
+    what it hands the model besides its ids (a vision-language prompt's pictures), or None."""
 
     index: int
     prompt_ids: list[int]
     text: str
     fields: dict[str, Any] = field(default_factory=dict)
     line: int = 0
+    inputs: PromptInputs | None = None
 
 
 def _records(path: Any) -> tuple[str, list[tuple[int, Any]]]:

@@ -33,7 +33,7 @@ import torch
 
 from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.model.data_parallel import DataParallelView
-from twinkle_core.sampling import Completion, Sampler, SamplingParams, sample_seed
+from twinkle_core.sampling import Completion, Sampler, SamplingParams, sample_prompts, sample_seed
 from twinkle_rl.advantages import ESTIMATORS, informative_groups, soft_overlong_penalty
 from twinkle_rl.experience import completion_lengths, experience_batch
 from twinkle_rl.prompts import PromptFeature
@@ -168,7 +168,8 @@ class RolloutEngine:
     def sample_groups(self, features: list[PromptFeature], rollout: int, draw_index: int) -> list[list[Completion]]:
         """``n`` completions of each prompt, seeded by (rollout, draw, prompt, index)."""
         seeds = [[sample_seed(self.seed, rollout, draw_index, f.index, j) for j in range(self.n)] for f in features]
-        groups = self.sampler.sample([f.prompt_ids for f in features], n=self.n, params=self.params, seeds=seeds)
+        groups = sample_prompts(self.sampler, [f.prompt_ids for f in features], n=self.n, params=self.params,
+                                seeds=seeds, inputs=[f.inputs for f in features])
         if len(groups) != len(features) or any(len(g) != self.n for g in groups):
             raise RuntimeError(f"sampler {type(self.sampler).__name__} returned {[len(g) for g in groups]} completions "
                                f"for {len(features)} prompts x {self.n}")
@@ -261,7 +262,8 @@ class RolloutEngine:
         trained = torch.where(truncated, 0.0, lengths) if self.overlong_filter else lengths
         advantages = self._advantages(rewards, scored, trained.reshape(len(kept), self.n), report)
         prompts = [g.feature.prompt_ids for g in kept for _ in range(self.n)]
-        batch = experience_batch(prompts, completions, pad_token_id=self.pad_token_id)
+        inputs = [g.feature.inputs for g in kept for _ in range(self.n)]
+        batch = experience_batch(prompts, completions, pad_token_id=self.pad_token_id, inputs=inputs)
         batch["advantages"] = advantages.reshape(-1).to(torch.float32)
         without_score = (~scored).repeat_interleave(self.n)
         batch["labels"][without_score] = IGNORE_INDEX  # no score for the prompt: the group trains nothing

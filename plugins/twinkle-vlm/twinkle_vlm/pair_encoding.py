@@ -111,10 +111,10 @@ def _answer(row: dict[str, Any], key: str) -> list[dict[str, Any]]:
     return list(value)
 
 
-def _prompt(row: dict[str, Any]) -> dict[str, Any]:
-    """The row less its answers, with a ``prompt`` string turned into one user turn: a ``vlm`` row without its
-    final assistant turn."""
-    chat = {k: v for k, v in row.items() if k not in PAIR_KEYS}
+def prompt_chat(row: dict[str, Any], answer_keys: tuple[str, ...] = PAIR_KEYS) -> dict[str, Any]:
+    """The row less its ``answer_keys``, with a ``prompt`` string turned into one user turn: a ``vlm`` row without
+    its final assistant turn (the ``vlm_grpo`` task's prompts are such rows too)."""
+    chat = {k: v for k, v in row.items() if k not in answer_keys}
     if chat.get("prompt") is not None:
         if chat.get("messages") is not None or chat.get("conversations") is not None:
             raise RowError("row has both 'prompt' and 'messages': give the prompt one way only")
@@ -137,7 +137,7 @@ def parse_pair(row: Any, base_dir: str, line: int) -> PairSamples | None:
     teaches nothing). Raises :class:`RowError` naming the reason."""
     if not isinstance(row, dict):
         raise RowError(f"a row must be a JSON object, got {type(row).__name__}")
-    prompt = _prompt(row)
+    prompt = prompt_chat(row)
     chosen, rejected = _answer(row, "chosen"), _answer(row, "rejected")
     margin = row.get("margin")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
@@ -250,5 +250,5 @@ def collate_vlm_pairs(features: list[VLMPairFeature], pad_token_id: int,
     return batch
 
 
-__all__ = ["PAIR_KEYS", "PairEncoder", "PairSamples", "VLMPairFeature", "collate_vlm_pairs", "parse_pair",
+__all__ = ["prompt_chat", "PAIR_KEYS", "PairEncoder", "PairSamples", "VLMPairFeature", "collate_vlm_pairs", "parse_pair",
            "read_pairs"]

@@ -17,3 +17,7 @@ def twinkle_register_tasks():
     yield TaskRecord("vlm_preference", f"{_PKG}.preference:VLMPreferenceTask",
                      "vision-language preference training (DPO family) on image chats: the preference task's pairs, "
                      "references and losses with the vlm task's processor, per-part freezing / LoRA and mRoPE")
+    yield TaskRecord("vlm_grpo", f"{_PKG}.online:VLMOnlineRLTask",
+                     "vision-language online RL (GRPO family) on prompts that show pictures: the grpo task's sampler, "
+                     "rewards and losses with the vlm task's processor, per-part freezing / LoRA and mRoPE positions "
+                     "kept from sampling to training")

@@ -141,5 +141,11 @@ def train_steps(model: Any, batch: dict[str, Any], steps: int, adapter_name: str
     return losses
 
 
-__all__ = ["TINY_MODEL_TYPES", "build_tiny_vlm", "build_vlm_model", "save_tiny_vlm", "tiny_config", "tiny_processor",
+def character_share(prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
+    """A dense reward for online-RL tests (``twinkle_vlm.testing:character_share``): the share of a completion's
+    characters that are vowels, so the random completions of one prompt score differently."""
+    return [sum(ch in "aeiou" for ch in c) / max(len(c), 1) for c in completions]
+
+
+__all__ = ["TINY_MODEL_TYPES", "build_tiny_vlm", "character_share", "build_vlm_model", "save_tiny_vlm", "tiny_config", "tiny_processor",
            "tiny_tokenizer", "train_steps", "vlm_batch"]

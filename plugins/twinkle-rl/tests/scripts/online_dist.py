@@ -33,6 +33,9 @@ A run (a JSON object in ``--runs``):
 * ``environment``: multi-turn agent rollouts with that environment (``calculator``, or ``online_dist:Counting``
   of this module) on ``arithmetic.jsonl`` (products with an ``answer``), at most :data:`AGENT_TURNS` model turns
   and :data:`AGENT_TOKENS` tokens after the prompt; the reward is the environment's plus ``letter_share``;
+* ``vlm``: the ``vlm_grpo`` task (``pip install twinkle-vlm[rl]``) on :data:`PICTURE_PROMPTS` (a picture of a
+  coloured square each, 2 x 2 merged image tokens: 3-D positions) with the tiny Qwen2.5-VL saved under ``--init``
+  (``vlm``), every part trained in full;
 * ``reverse``: reverse the prompts of every draw (their completions keep their seeds): the same mathematics
   in another summation order, the float spread of the reference (``twinkle_core.testing.tolerance``);
 * ``resume_at``: also save a checkpoint every that many steps, then train again from the one of that step
@@ -73,6 +76,12 @@ AGENT_STOP = list("aeiou0123456789")
 TRAIN_SEED = 0
 
 WORDS = ["apple", "river", "stone", "cloud", "tiger", "piano", "grape", "north"]
+#: the vlm runs' prompts: a square of each colour (RGB) in a picture of its size, and a question
+PICTURE_PROMPTS = [((220, 30, 30), (56, 56)), ((30, 200, 30), (56, 84)), ((30, 30, 220), (84, 56)),
+                   ((250, 250, 250), (84, 84)), ((200, 200, 30), (56, 56)), ((30, 200, 200), (84, 56)),
+                   ((200, 30, 200), (56, 84)), ((90, 90, 90), (84, 84))]
+#: the processor's pixel bounds for the vlm runs: 2 x 2 to 3 x 3 merged image tokens per picture
+VLM_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 84 * 84}
 
 
 def letter_share(prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
@@ -108,6 +117,27 @@ def arithmetic_rows() -> list[dict[str, Any]]:
     return [{"prompt": f"{a}*{b}=?", "answer": str(a * b)} for a, b in pairs]
 
 
+def write_pictures(directory: str) -> None:
+    """``pictures.jsonl`` and its pictures, and the tiny Qwen2.5-VL as ``vlm`` (only where twinkle-vlm is installed:
+    the vlm runs need it)."""
+    try:
+        from twinkle_vlm.testing import save_tiny_vlm
+    except ModuleNotFoundError:
+        return
+    from PIL import Image
+
+    assert len(PICTURE_PROMPTS) == PROMPTS_PER_STEP * ROLLOUTS
+    rows = []
+    for i, (rgb, size) in enumerate(PICTURE_PROMPTS):
+        path = os.path.join(directory, f"picture{i}.png")
+        Image.new("RGB", size, rgb).save(path)
+        rows.append({"messages": [{"role": "user", "content": [{"type": "image", "image": path},
+                                                               {"type": "text", "text": "Colour?"}]}]})
+    save_tiny_vlm("qwen2_5_vl", os.path.join(directory, "vlm"), seed=TRAIN_SEED)
+    with open(os.path.join(directory, "pictures.jsonl"), "w") as fh:
+        fh.writelines(json.dumps(row) + "\n" for row in rows)
+
+
 def tiny_config(tokenizer: Any) -> dict[str, Any]:
     from twinkle_backend_hf.testing import tiny_qwen2_config
 
@@ -121,6 +151,7 @@ def init(directory: str, tokenizer: Any) -> None:
     from twinkle_backend_hf.model import TransformersModel
 
     os.makedirs(directory, exist_ok=True)
+    write_pictures(directory)
     with open(os.path.join(directory, "arithmetic.jsonl"), "w") as fh:
         fh.writelines(json.dumps(row) + "\n" for row in arithmetic_rows())
     with open(os.path.join(directory, "prompts.jsonl"), "w") as fh:  # last: its presence means init is done
@@ -139,16 +170,21 @@ def recipe(spec: dict[str, Any], init_dir: str, output_dir: str, dp_size: int, t
         model["config"] = tiny_config(tokenizer)
     strategy = spec.get("strategy", "single")
     task = spec.get("task", "grpo")
+    options = task_options(spec)
+    train = os.path.join(init_dir, "arithmetic.jsonl" if spec.get("environment") else "prompts.jsonl")
+    if spec.get("vlm"):  # the grpo task's loss on prompts that show pictures
+        model = {"class_name": "TransformersModel", "model_id": os.path.join(init_dir, "vlm")}
+        options.update(VLM_PIXELS, train_vision="full", train_projector="full", train_language="full")
+        task, train = "vlm_grpo", os.path.join(init_dir, "pictures.jsonl")
     return {
         "task": task,
-        "task_options": task_options(spec),
+        "task_options": options,
         "model": model,
         "strategy": {"name": "megatron" if backend == "megatron" else strategy},
         "mesh": spec.get("mesh"),
         "precision": "no",
-        "data": {"train": os.path.join(init_dir, "arithmetic.jsonl" if spec.get("environment") else "prompts.jsonl"),
-                 "batch_size": PROMPTS_PER_STEP // dp_size, "shuffle": True},
-        "loss": {"name": task},
+        "data": {"train": train, "batch_size": PROMPTS_PER_STEP // dp_size, "shuffle": True},
+        "loss": {"name": "grpo" if task == "vlm_grpo" else task},
         "optimizer": {"name": "AdamW", "lr": LR, "weight_decay": 0.0},
         "lr_scheduler": {"name": "constant"},
         "train": {"output_dir": output_dir, "max_steps": STEPS, "max_grad_norm": MAX_GRAD_NORM, "seed": TRAIN_SEED,

@@ -10,7 +10,10 @@ Two ways to the weights (option ``copy_weights``):
   their network (Megatron's). Full-model weights only: a LoRA policy is refused.
 
 Prompts are left-padded into batches of at most ``batch_size`` sequences (default: all); ``position_ids``
-follow the attention mask, so padding does not change a completion. Each completion draws its noise from a
+follow the attention mask, so padding does not change a completion. A prompt's
+:class:`~twinkle_core.prompt_inputs.PromptInputs` (a vision-language prompt's pictures, per-token values and 3-D
+positions) go into the prefill (:func:`~twinkle_core.prompt_inputs.batch_prompt_inputs`); decoding continues each
+row's positions from the largest of its prompt, as the training rows do. Each completion draws its noise from a
 generator seeded with its own seed (:mod:`twinkle_rl.samplers.processing`): the same seed gives the same
 completion alone, in any batch and on any number of ranks (up to float rounding of the logits).
 """
@@ -18,13 +21,14 @@ completion alone, in any batch and on any number of ranks (up to float rounding 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from twinkle_core.errors import ConfigError
+from twinkle_core.prompt_inputs import PromptInputs, batch_prompt_inputs, next_positions
 from twinkle_core.sampling import (
     Completion,
     GenerationModule,
@@ -45,6 +49,7 @@ class _Row:
     sample_index: int
     prompt: list[int]
     seed: int
+    inputs: PromptInputs | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -59,6 +64,7 @@ class HFGenerateSampler(Sampler):
     """
 
     name = "hf_generate"
+    takes_prompt_inputs = True
 
     def __init__(self, *, copy_weights: bool = False, batch_size: int | None = None, config: Any = None,
                  **options: Any) -> None:
@@ -159,9 +165,16 @@ class HFGenerateSampler(Sampler):
 
     # ------------------------------------------------------------------ sampling
     def sample(self, prompts: list[list[int]], *, n: int, params: SamplingParams,
-               seeds: list[list[int]]) -> list[list[Completion]]:
+               seeds: list[list[int]], inputs: Sequence[PromptInputs | None] | None = None) -> list[list[Completion]]:
         self._check_request(prompts, n, params, seeds)
-        rows = [_Row(i, j, list(prompt), int(seeds[i][j])) for i, prompt in enumerate(prompts) for j in range(n)]
+        inputs = list(inputs) if inputs is not None else [None] * len(prompts)
+        if len(inputs) != len(prompts):
+            raise ConfigError(f"hf_generate got inputs for {len(inputs)} of {len(prompts)} prompts")
+        for prompt, extra in zip(prompts, inputs, strict=True):
+            if extra is not None:
+                extra.check(len(prompt))
+        rows = [_Row(i, j, list(prompt), int(seeds[i][j]), inputs[i])
+                for i, prompt in enumerate(prompts) for j in range(n)]
         with self._generation() as gen:
             self._check_lengths(gen.module, prompts, params)
             decoder = _Decoder(gen, params, self._eos_ids(gen.module), self.tokenizer)
@@ -261,12 +274,17 @@ class _Decoder:
         for r, row in enumerate(rows):  # left padding: every row's next token goes to the same column
             input_ids[r, width - len(row.prompt):] = torch.tensor(row.prompt)
             mask[r, width - len(row.prompt):] = 1
-        input_ids, mask = input_ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        extra = batch_prompt_inputs([row.inputs for row in rows], starts=[width - len(row.prompt) for row in rows],
+                                    lengths=[len(row.prompt) for row in rows], width=width)
+        positions = extra.pop("position_ids", None)
+        if positions is None:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        input_ids, mask, positions = input_ids.to(device), mask.to(device), positions.to(device)
+        extra = {key: value.to(device) for key, value in extra.items()}
         generators = [torch.Generator(device=device).manual_seed(row.seed) for row in rows]
-        out = self._forward(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = self._forward(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
         cache, live = getattr(out, self.cache_key), list(rows)
-        next_positions = positions[:, -1:] + 1
+        following = next_positions(positions)  # [rows, 1], or [D, rows, 1] for multi-dimensional positions
         while True:
             logprobs = process_logits(out.logits[:, -1, :], self.params)
             chosen, chosen_logprobs = choose_tokens(logprobs, generators, greedy=self.params.temperature == 0)
@@ -282,12 +300,12 @@ class _Decoder:
                 # keeps them; they are fed their last token and never read again)
                 index = torch.tensor(keep, device=device)
                 cache.batch_select_indices(index)
-                chosen, mask, next_positions = chosen[index], mask[index], next_positions[index]
+                chosen, mask, following = chosen[index], mask[index], following.index_select(-2, index)
                 live, generators = [live[r] for r in keep], [generators[r] for r in keep]
             mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=-1)
-            out = self._forward(input_ids=chosen.unsqueeze(-1), attention_mask=mask, position_ids=next_positions,
+            out = self._forward(input_ids=chosen.unsqueeze(-1), attention_mask=mask, position_ids=following,
                                 use_cache=True, **{self.cache_key: cache})
-            next_positions = next_positions + 1
+            following = following + 1
 
     def _append(self, row: _Row, token: int, logprob: float) -> bool:
         """Add a token to ``row``; whether the row is finished (EOS, a stop string, or the length limit)."""

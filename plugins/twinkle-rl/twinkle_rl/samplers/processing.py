@@ -1,9 +1,11 @@
 """Per-token sampling math of the ``hf_generate`` sampler: the behaviour distribution and the draw from it.
 
 The distribution of a decoding step is built from the model's last-position logits, in float32, in this
-order: divide by the temperature, keep the ``top_k`` largest, keep the nucleus of probability ``top_p``,
+order: drop the suppressed tokens (``suppress_token_ids``: never drawn, at any temperature), divide by the
+temperature, keep the ``top_k`` largest, keep the nucleus of probability ``top_p``,
 renormalise (:func:`process_logits`). ``temperature == 0`` is greedy decoding; its log-probs are the
-untempered ``log_softmax`` of the logits, without filtering (filters never remove the arg-max).
+untempered ``log_softmax`` of the logits (less the suppressed tokens), without filtering (filters never remove
+the arg-max).
 
 Every row draws its noise from its own ``torch.Generator`` (:func:`choose_tokens`), consuming the same
 number of random numbers per step whatever else is in the batch, so a completion depends on its seed
@@ -23,6 +25,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     """Log-probabilities ``[rows, vocab]`` (float32) of the distribution tokens are drawn from;
     tokens filtered out by top-k / top-p get ``-inf``."""
     logits = logits.float()
+    if params.suppress_token_ids:
+        logits = logits.index_fill(-1, torch.tensor(params.suppress_token_ids, device=logits.device), float("-inf"))
     if params.temperature == 0:
         return torch.log_softmax(logits, dim=-1)
     scores = logits / params.temperature
