@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism: batch sharding, masks and head splitting in one process; parity
-with the single-process model under torchrun (gloo): ``test_sp2_matches_single_process`` (2 ranks)
-and ``test_dp2_sp2_matches_single_process`` (4 ranks, marked slow). The compared cases are listed in
-``scripts/sp_parity.py``."""
+with the single-process model under torchrun (gloo), with DDP or FSDP2 (``data_parallel``) for the data
+dimension: ``test_sp2_matches_single_process`` (2 ranks) and ``test_dp2_sp2_matches_single_process`` (4 ranks,
+marked slow). The compared cases, and the save/resume check, are listed in ``scripts/sp_parity.py``."""
 
 from __future__ import annotations
 
@@ -158,6 +158,63 @@ def test_one_process_strategy_matches_single():
         torch.testing.assert_close(a.grad, b.grad, atol=1e-7, rtol=0)
 
 
+# ---------------------------------------------------------------------- the data dimension: DDP or FSDP2
+def test_data_parallel_defaults_to_ddp_and_to_fsdp_when_the_mesh_shards_the_data():
+    from twinkle_backend_hf.sequence_parallel.strategy import SequenceParallelStrategy
+    from twinkle_backend_hf.strategies.ddp import DDPStrategy
+    from twinkle_backend_hf.strategies.fsdp import NativeFSDPStrategy
+
+    from twinkle_core.mesh import DeviceMesh
+
+    plain = SequenceParallelStrategy(mesh=DeviceMesh(sp=2), find_unused_parameters=True)
+    assert isinstance(plain.data_parallel, DDPStrategy) and plain.options["data_parallel"] == "ddp"
+    assert plain.data_parallel.options["find_unused_parameters"] is True  # the DDP options pass through
+    sharded = SequenceParallelStrategy(mesh=DeviceMesh(fsdp=2, sp=2), reshard_after_forward=False)
+    assert isinstance(sharded.data_parallel, NativeFSDPStrategy) and sharded.options["data_parallel"] == "fsdp"
+    assert sharded.data_parallel.options["reshard_after_forward"] is False
+    # the options round-trip through the constructor (frozen_copy and sibling rebuild the strategy from them)
+    rebuilt = type(sharded)(mesh=sharded.mesh, **sharded.options)
+    assert rebuilt.options == sharded.options and isinstance(rebuilt.data_parallel, NativeFSDPStrategy)
+
+
+def test_contradicting_or_unknown_data_parallel_settings_are_refused():
+    from twinkle_backend_hf.sequence_parallel.strategy import SequenceParallelStrategy
+
+    from twinkle_core.mesh import DeviceMesh
+
+    with pytest.raises(ConfigError, match="data_parallel must be one of ddp, fsdp"):
+        SequenceParallelStrategy(data_parallel="zero3")
+    with pytest.raises(ConfigError, match="set data_parallel: fsdp, or move the ranks to mesh.dp"):
+        SequenceParallelStrategy(mesh=DeviceMesh(fsdp=2, sp=2), data_parallel="ddp")
+    with pytest.raises(ConfigError, match=r"data_parallel: fsdp.*find_unused_parameters.*own options"):
+        SequenceParallelStrategy(data_parallel="fsdp", find_unused_parameters=True)  # a DDP option under FSDP2
+
+
+@pytest.mark.parametrize(("mesh", "shards"), [
+    ({"sp": 2}, {"fsdp": 2}),                           # the sequence ranks share one model: sharded over them
+    ({"dp": 2, "sp": 2}, {"fsdp": 4}),                  # data_parallel: fsdp over dp ranks shards the world
+    ({"fsdp": 2, "cp": 2, "sp": 2}, {"fsdp": 8}),
+    ({"dp": 2, "fsdp": 2, "sp": 2}, {"dp": 2, "fsdp": 4}),  # HSDP: replicas over dp, whole sequence groups sharded
+])
+def test_fsdp2_shards_over_the_sequence_ranks_too(mesh, shards):
+    from twinkle_backend_hf.sequence_parallel.data_parallel import inner_mesh
+
+    from twinkle_core.mesh import DeviceMesh
+
+    assert inner_mesh("fsdp", DeviceMesh(**mesh)) == DeviceMesh(**shards)
+    assert inner_mesh("ddp", DeviceMesh(**mesh)) == DeviceMesh(dp=DeviceMesh(**mesh).world_size)
+
+
+def test_a_quantised_base_is_refused_under_fsdp():
+    from twinkle_backend_hf.sequence_parallel.strategy import SequenceParallelStrategy
+    from twinkle_backend_hf.testing import make_tiny_model
+
+    model = make_tiny_model(attn_implementation="sdpa").hf_model
+    model.hf_quantizer = object()  # what transformers sets on a bitsandbytes model (quantization.is_quantized)
+    with pytest.raises(ConfigError, match="use data_parallel: ddp for a quantised base"):
+        SequenceParallelStrategy(data_parallel="fsdp").wrap_module(model)
+
+
 # ---------------------------------------------------------------------- several ranks
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory):
@@ -170,12 +227,12 @@ def reference_dir(tmp_path_factory):
     return out
 
 
-def _check_parity(reference_dir, tmp_path, nproc: int, dp: int) -> None:
+def _check_parity(reference_dir, tmp_path, nproc: int, dp: int, data_parallel: str) -> None:
     from distributed import run_torchrun
 
     shutil.copy(reference_dir / "reference.pt", tmp_path / "reference.pt")
     spread = json.loads((reference_dir / "spread.json").read_text())
-    result = run_torchrun([SCRIPT, "sp", str(tmp_path), str(dp)], nproc=nproc, timeout=300)
+    result = run_torchrun([SCRIPT, "sp", str(tmp_path), str(dp), data_parallel], nproc=nproc, timeout=300)
     assert result.returncode == 0, result.output
     sp = nproc // dp
     for rank in range(nproc):
@@ -184,27 +241,42 @@ def _check_parity(reference_dir, tmp_path, nproc: int, dp: int) -> None:
         rows = 4 // dp
         assert deltas["_local_logits_shape"] == [rows, 16 // sp, 64]
         assert deltas["_global_logits_shape"] == [rows, 16, 64]
-        # DDP averages over all dp*sp ranks; the scale turns that average into sum / global tokens
+        # DDP and FSDP2 average over all dp*sp ranks; the scale turns that average into sum / global tokens
         assert deltas["_gradient_average_size"] == nproc
         assert deltas["_gradient_scale_x_tokens"] == pytest.approx(nproc)
+        # FSDP2 shards every trainable parameter over the world (DTensors); DDP keeps them whole
+        sharded = deltas["_parameters"] if data_parallel == "fsdp" else 0
+        assert deltas["_parameters"] > 0 and deltas["_sharded_parameters"] == sharded
+        # a resumed run repeats the uninterrupted one exactly (weights, and the optimizer state: DCP under FSDP2)
+        assert deltas["_resume_loss_delta"] == 0.0, deltas["_resume_loss_delta"]
         assert deltas["_control_packed_without_mask"] > 1e-3, "the parity checks cannot tell a wrong mask"
         compared = {k: v for k, v in deltas.items() if not k.startswith("_")}
-        assert {"train_losses", "train_grad_norms", "train_weights", "grad_packed", "grad_single_kv_head",
-                "grad_accumulated", "grad_lora_checkpointing_packed", "eval_packed"} <= compared.keys()
+        assert {"train_losses", "train_grad_norms", "train_weights", "lora_train_losses", "lora_train_weights",
+                "grad_packed", "grad_single_kv_head", "grad_accumulated", "grad_lora_checkpointing_packed",
+                "eval_packed"} <= compared.keys()
         too_far = {k: v for k, v in compared.items() if not v <= max(TOLERANCE, SPREAD_FACTOR * spread.get(k, 0.0))}
         assert not too_far, f"rank {rank}: {too_far}\n{result.output[-3000:]}"
+    # the optimizer went through the data-parallel strategy: one file under DDP, each rank's shard under FSDP2
+    state_dir = tmp_path / "resume" / "twinkle_state"
+    pattern = "optimizer_dcp/*.distcp" if data_parallel == "fsdp" else "optimizer.pt"
+    written = sorted(p.name for p in state_dir.glob(pattern))
+    assert len(written) == (nproc if data_parallel == "fsdp" else 1), written
 
 
 @pytest.mark.parity
 @pytest.mark.distributed
-def test_sp2_matches_single_process(reference_dir, tmp_path):
-    """sp=2: 10 AdamW steps (losses, grad norms, weights), one-step gradients, forward_only logits."""
-    _check_parity(reference_dir, tmp_path, nproc=2, dp=1)
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_sp2_matches_single_process(reference_dir, tmp_path, data_parallel):
+    """sp=2: 10 AdamW steps (losses, grad norms, weights), 5 LoRA steps, one-step gradients, forward_only logits,
+    save and resume; FSDP2 shards the parameters over the 2 sequence ranks."""
+    _check_parity(reference_dir, tmp_path, nproc=2, dp=1, data_parallel=data_parallel)
 
 
 @pytest.mark.parity
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_dp2_sp2_matches_single_process(reference_dir, tmp_path):
-    """4 ranks, dp=2 x sp=2: the same checks with each data-parallel pair holding half the rows."""
-    _check_parity(reference_dir, tmp_path, nproc=4, dp=2)
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_dp2_sp2_matches_single_process(reference_dir, tmp_path, data_parallel):
+    """4 ranks, dp=2 x sp=2: the same checks with each data-parallel pair holding half the rows (FSDP2: sharded
+    over all 4 ranks)."""
+    _check_parity(reference_dir, tmp_path, nproc=4, dp=2, data_parallel=data_parallel)

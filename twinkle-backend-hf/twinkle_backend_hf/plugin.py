@@ -24,7 +24,7 @@ def twinkle_register_strategies():
     yield StrategyRecord("accelerate", f"{_PKG}.strategies.accelerate:AccelerateStrategy", "FSDP via Accelerate")
     yield StrategyRecord("deepspeed", f"{_PKG}.strategies.deepspeed:DeepSpeedStrategy", "DeepSpeed ZeRO 1/2/3")
     yield StrategyRecord("ulysses", f"{_PKG}.sequence_parallel.strategy:SequenceParallelStrategy",
-                         "Ulysses (mesh.sp) x ring (mesh.cp) context parallel over DDP (mesh.dp)")
+                         "Ulysses (mesh.sp) x ring (mesh.cp) context parallel over DDP or FSDP2 (mesh.dp / mesh.fsdp)")
 
 
 @hookimpl

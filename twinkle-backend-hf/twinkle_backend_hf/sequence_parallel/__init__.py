@@ -4,7 +4,7 @@
   differentiable all-to-all and the batch sharding;
 * :mod:`.strategy` — :class:`SequenceParallelStrategy` (strategy name ``ulysses``), which shards
   batches in ``prepare_inputs``, switches the model's attention implementation and synchronises
-  gradients through DDP.
+  gradients through DDP or FSDP2 (:mod:`.data_parallel`).
 
 Importing this package imports nothing heavy; the names below load on first access.
 """

@@ -1,4 +1,5 @@
-"""``SequenceParallelStrategy``: Ulysses (``mesh.sp``) and ring (``mesh.cp``) context parallelism on top of DDP.
+"""``SequenceParallelStrategy``: Ulysses (``mesh.sp``) and ring (``mesh.cp``) context parallelism on top of DDP or
+FSDP2 for the data dimension (:mod:`.data_parallel`).
 
 Ranks are laid out data-parallel-major: with ``DeviceMesh(dp=D, sp=P)`` ranks ``k*P .. k*P + P - 1``
 form SP group ``k``; they get the same rows (``dp_rank == k``, as the core computes it) and each
@@ -6,12 +7,15 @@ keeps chunk ``rank % P`` of every sequence (:func:`~.ulysses.shard_batch`, calle
 ``prepare_inputs``). The model's attention implementation is switched to the registered Ulysses
 function (:mod:`.ulysses`) when the strategy wraps the model; nothing in the model code changes.
 
-Gradients. Every rank holds the whole model and back-propagates the token-*sum* loss of its own
-tokens, so the gradient of the global sum loss is the *sum* of all ranks' gradients (over ``sp`` and
-``dp`` alike). The module is wrapped in DDP over the whole world (the ``ddp`` strategy, which also
-provides ``no_sync`` for accumulation), which averages: it yields ``sum / world``. Hence
-``gradient_average_size == world size`` and ``gradient_scale(T) = world / T``, where ``T`` is
-``global_sum`` of the local token counts over *every* rank, giving ``d(sum loss) / T`` exactly.
+Gradients. Every rank back-propagates the token-*sum* loss of its own tokens, so the gradient of the
+global sum loss is the *sum* of all ranks' gradients (over ``sp`` and ``dp`` alike). The data dimension
+is a strategy composed in (:mod:`.data_parallel`, option ``data_parallel``): ``ddp`` (the default) wraps
+the module in DDP over the whole world, ``fsdp`` shards it with FSDP2 over the whole world (sequence
+ranks included; HSDP when ``mesh.dp`` and ``mesh.fsdp`` are both > 1), with DCP optimizer checkpoints.
+Either reduces over every rank and averages: ``sum / world``. Hence ``gradient_average_size == world
+size`` and ``gradient_scale(T) = world / T``, where ``T`` is ``global_sum`` of the local token counts
+over *every* rank, giving ``d(sum loss) / T`` exactly. The wrapping, ``no_sync`` (accumulation),
+gradient scaling and clipping, and the weights and optimizer checkpoints are the composed strategy's.
 
 Outputs. ``forward`` (training) returns the local chunk's outputs (``logits`` ``[B, S/P, V]``), which
 the losses pair with the local ``shift_labels``. ``forward_only`` (eval mode, no grad) returns
@@ -23,8 +27,9 @@ Options: ``inner_attn_implementation`` (default: the model's own when it is sdpa
 ``gather_eval_outputs`` (default True), ``shift_keys`` (loss-side keys whose ``[B, T]`` tensors are
 aligned with ``labels`` and shifted like them; see :func:`~.ulysses.shard_batch`), ``cp_impl``
 (``ulysses``, the default, or ``ring``: ring attention over the ``sp`` group, :mod:`.ring_attention`, which has
-no head-count limit), ``ring_layout`` (``zigzag``, the default, or ``contiguous``; ``ring`` only), plus the
-``ddp`` strategy's options.
+no head-count limit), ``ring_layout`` (``zigzag``, the default, or ``contiguous``; ``ring`` only),
+``data_parallel`` (``ddp`` or ``fsdp``; default ``fsdp`` when ``mesh.fsdp`` > 1, else ``ddp``), plus the
+options of the ``ddp`` or ``native_fsdp`` strategy it selects.
 
 Hybrid (``mesh.cp`` beside ``mesh.sp``): ranks are laid out ``dp``-major, then ``cp``, then ``sp``; the
 ``cp * sp`` ranks of one data-parallel index share rows and split every sequence (the *sequence group*,
@@ -34,7 +39,8 @@ owns its zig-zag share over ``cp`` (``ring_layout``), cut contiguously over its 
 heads), ring attention over the ``cp`` ranks on the gathered share, and the all-to-all back. ``mesh: {cp: N}``
 alone is pure ring attention, the same as ``mesh: {sp: N}`` with ``cp_impl: ring``. Not supported: ``cp_impl:
 ring`` with both ``cp`` and ``sp`` > 1 (leave ``cp_impl`` at ``ulysses`` for the hybrid), an explicit
-``inner_attn_implementation`` with the ring, and FSDP for the data dimension (DDP only).
+``inner_attn_implementation`` with the ring, and a quantised base under ``data_parallel: fsdp`` (FSDP2
+cannot shard bitsandbytes' weights).
 """
 
 from __future__ import annotations
@@ -46,9 +52,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from twinkle_backend_hf import quantization
+from twinkle_backend_hf.sequence_parallel import data_parallel as data_parallel_strategies
 from twinkle_backend_hf.sequence_parallel import ring_attention, ring_layout, ulysses
 from twinkle_backend_hf.strategies.collectives import ensure_process_group
-from twinkle_backend_hf.strategies.ddp import DDPStrategy
 from twinkle_backend_hf.strategies.model_parts import base_model
 from twinkle_core import distributed
 from twinkle_core.capabilities import check_mesh
@@ -60,9 +67,11 @@ from twinkle_core.strategy import Strategy
 if TYPE_CHECKING:
     from twinkle_core.accelerator import Accelerator
     from twinkle_core.loss.base import LossContext
+    from twinkle_core.precision import Precision
+    from twinkle_core.strategy import OptimizerHandle
 
 _OWN_OPTIONS = ("inner_attn_implementation", "pad_token_id", "ignore_index", "gather_eval_outputs", "shift_keys",
-                "cp_impl", "ring_layout")
+                "cp_impl", "ring_layout", "data_parallel")
 CP_IMPLS = ("ulysses", "ring")
 
 
@@ -82,8 +91,13 @@ def _own_group(dist: Any, members: list[range], rank: int) -> Any:
     return own
 
 
+def _inside(module: torch.nn.Module) -> torch.nn.Module:
+    """The module the data-parallel strategy wrapped (DDP, or the FSDP2-sharded model itself)."""
+    return module.module if isinstance(module, UlyssesModule) else module
+
+
 class UlyssesModule(torch.nn.Module):
-    """The strategy's wrapper: runs the (DDP-wrapped) model; gathers outputs in ``forward_only``."""
+    """The strategy's wrapper: runs the (DDP-wrapped or FSDP2-sharded) model; gathers outputs in ``forward_only``."""
 
     def __init__(self, module: torch.nn.Module, strategy: SequenceParallelStrategy) -> None:
         super().__init__()
@@ -110,27 +124,33 @@ class UlyssesModule(torch.nn.Module):
         return out
 
 
-class SequenceParallelStrategy(DDPStrategy):
+class SequenceParallelStrategy(Strategy):
     name = "ulysses"
     averages_gradients = True
-    mesh_dimensions: ClassVar[tuple[str, ...]] = ("dp", "cp", "sp")
+    mesh_dimensions: ClassVar[tuple[str, ...]] = ("dp", "fsdp", "cp", "sp")
 
-    def __init__(self, mesh: DeviceMesh | None = None, *, inner_attn_implementation: str | None = None,
-                 pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX, gather_eval_outputs: bool = True,
+    def __init__(self, mesh: DeviceMesh | None = None, *, precision: Precision | None = None,
+                 inner_attn_implementation: str | None = None, pad_token_id: int = 0,
+                 ignore_index: int = IGNORE_INDEX, gather_eval_outputs: bool = True,
                  shift_keys: tuple[str, ...] | list[str] = ulysses.SHIFT_KEYS, cp_impl: str = "ulysses",
-                 ring_layout: str = "zigzag", **ddp_options: Any) -> None:
+                 ring_layout: str = "zigzag", data_parallel: str | None = None,
+                 **data_parallel_options: Any) -> None:
+        kind = data_parallel_strategies.data_parallel_kind(data_parallel, mesh)
         try:
-            super().__init__(mesh, **ddp_options)
+            #: the strategy that synchronises (DDP) or shards (FSDP2) the data dimension, composed in
+            self.data_parallel = data_parallel_strategies.build(kind, precision, data_parallel_options)
         except ConfigError as exc:
-            raise ConfigError(f"strategy 'ulysses': {exc} (own options: {', '.join(_OWN_OPTIONS)})") from None
+            raise ConfigError(f"strategy 'ulysses' (data_parallel: {kind}): {exc} (own options: "
+                              f"{', '.join(_OWN_OPTIONS)})") from None
         if inner_attn_implementation is not None:
             ulysses.inner_attention_function(inner_attn_implementation)  # validate early
         if cp_impl not in CP_IMPLS:
             raise ConfigError(f"strategy 'ulysses': cp_impl must be one of {', '.join(CP_IMPLS)}; got {cp_impl!r}")
         _check_layout(ring_layout)
-        self.options.update(inner_attn_implementation=inner_attn_implementation, pad_token_id=pad_token_id,
-                            ignore_index=ignore_index, gather_eval_outputs=gather_eval_outputs,
-                            shift_keys=tuple(shift_keys), cp_impl=cp_impl, ring_layout=ring_layout)
+        super().__init__(mesh, precision=precision, **self.data_parallel.options,
+                         inner_attn_implementation=inner_attn_implementation, pad_token_id=pad_token_id,
+                         ignore_index=ignore_index, gather_eval_outputs=gather_eval_outputs,
+                         shift_keys=tuple(shift_keys), cp_impl=cp_impl, ring_layout=ring_layout, data_parallel=kind)
         self.sp_group: Any = None
         self._dp_group: Any = None
         self.sp_size = 1  # ranks that split one sequence: cp * sp
@@ -139,6 +159,10 @@ class SequenceParallelStrategy(DDPStrategy):
         self.ring_size, self.ulysses_size = (1, 1) if mesh is None else self.split_sizes(mesh, cp_impl)
         self.last_shard: ulysses.ShardInfo | None = None
 
+    def bind_precision(self, precision: Precision) -> None:
+        super().bind_precision(precision)
+        self.data_parallel.bind_precision(self.precision)  # FSDP2's mixed-precision policy derives from it
+
     # ------------------------------------------------------------------ process groups
     def setup(self, accelerator: Accelerator) -> None:
         import torch.distributed as dist
@@ -146,8 +170,11 @@ class SequenceParallelStrategy(DDPStrategy):
         ensure_process_group(accelerator.dist_backend)
         if self.mesh is None:  # default: one SP group over every rank
             self.mesh = DeviceMesh(sp=distributed.world_size())
-        Strategy.setup(self, accelerator)
+        super().setup(accelerator)
         check_mesh(self.name, self.mesh, self.mesh_dimensions)
+        kind = data_parallel_strategies.data_parallel_kind(self.options["data_parallel"], self.mesh)
+        self.data_parallel.mesh = data_parallel_strategies.inner_mesh(kind, self.mesh)
+        self.data_parallel.setup(accelerator)
         self.ring_size, self.ulysses_size = self.split_sizes(self.mesh, self.options["cp_impl"])
         seq, world, rank = self.mesh.cp * self.mesh.sp, distributed.world_size(), distributed.rank()
         self.sp_size, self.sp_rank = seq, rank % seq
@@ -230,17 +257,22 @@ class SequenceParallelStrategy(DDPStrategy):
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if isinstance(module, UlyssesModule):
             return module
+        if self.options["data_parallel"] == "fsdp" and quantization.is_quantized(base_model(module)):
+            raise ConfigError("strategy 'ulysses' with data_parallel: fsdp shards parameters, and bitsandbytes' "
+                              "quantised weights cannot be sharded; use data_parallel: ddp for a quantised base")
         self._switch_attention(module)
-        return UlyssesModule(super().wrap_module(module), self)
+        return UlyssesModule(self.data_parallel.wrap_module(module), self)
 
     def unwrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        if isinstance(module, UlyssesModule):
-            module = module.module
-        return super().unwrap_module(module)
+        return self.data_parallel.unwrap_module(_inside(module))
+
+    @property
+    def forward_is_collective(self) -> bool:
+        return self.data_parallel.forward_is_collective
 
     @contextlib.contextmanager
     def no_sync(self, module: torch.nn.Module) -> Iterator[None]:
-        with super().no_sync(module.module if isinstance(module, UlyssesModule) else module):
+        with self.data_parallel.no_sync(_inside(module)):
             yield
 
     def prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -257,8 +289,30 @@ class SequenceParallelStrategy(DDPStrategy):
 
     @property
     def gradient_average_size(self) -> int:
-        """DDP averages over the whole world (``dp * sp`` ranks), whose gradients must be summed."""
+        """DDP and FSDP2 average over the whole world (``dp * fsdp * cp * sp`` ranks), whose gradients must be
+        summed (see :mod:`.data_parallel`)."""
         return distributed.world_size()
+
+    def scale_gradients(self, module: torch.nn.Module, handle: OptimizerHandle, factor: float) -> None:
+        self.data_parallel.scale_gradients(_inside(module), handle, factor)
+
+    def clip_grad_norm(self, module: torch.nn.Module, handle: OptimizerHandle, max_norm: float,
+                       norm_type: float = 2.0) -> torch.Tensor:
+        return self.data_parallel.clip_grad_norm(_inside(module), handle, max_norm, norm_type)
+
+    # ------------------------------------------------------------------ checkpoints (the data-parallel strategy's)
+    def full_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return self.data_parallel.full_state_dict(_inside(module))
+
+    def load_state_dict(self, module: torch.nn.Module, state_dict: dict[str, torch.Tensor],
+                        strict: bool = True) -> None:
+        self.data_parallel.load_state_dict(_inside(module), state_dict, strict=strict)
+
+    def save_optimizer_state(self, directory: str, module: torch.nn.Module, handle: OptimizerHandle) -> None:
+        self.data_parallel.save_optimizer_state(directory, _inside(module), handle)
+
+    def load_optimizer_state(self, directory: str, module: torch.nn.Module, handle: OptimizerHandle) -> None:
+        self.data_parallel.load_optimizer_state(directory, _inside(module), handle)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "sp_size": self.sp_size, "ring_size": self.ring_size,
