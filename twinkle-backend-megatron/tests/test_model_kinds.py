@@ -1,4 +1,4 @@
-"""MegatronModel builds causal LMs only: tasks that need another network are refused before anything is built,
+"""MegatronModel builds causal LMs (and vision-language models, test_vision_language.py) only: tasks that need another network are refused before anything is built,
 with a message naming the HF backend's class that builds it (issue 21: refuse rather than score with a
 vocabulary logit)."""
 
@@ -25,8 +25,8 @@ def builds(monkeypatch):
     return built
 
 
-def test_megatron_declares_causal_lm_only():
-    assert MegatronModel.supported_model_kinds == ("causal_lm",)
+def test_megatron_declares_causal_lm_and_vision_language():
+    assert MegatronModel.supported_model_kinds == ("causal_lm", "image_text_to_text")
 
 
 def test_the_ppo_critic_of_a_megatron_policy_is_refused_before_building(builds):

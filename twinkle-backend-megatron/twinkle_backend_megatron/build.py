@@ -15,9 +15,13 @@ import torch
 from twinkle_backend_megatron import convert, norms, padding
 from twinkle_backend_megatron import recompute as recompute_settings
 from twinkle_backend_megatron.forward import enable_position_ids
-from twinkle_backend_megatron.weights import ShardedWeights, chunks_of
+from twinkle_backend_megatron.kinds import TextNetwork
+from twinkle_backend_megatron.vision import VisionLanguageNetwork
 from twinkle_core.errors import ConfigError, UnsupportedHardwareError
 from twinkle_core.sources import resolve
+
+#: the network of each task ``model_kind`` MegatronModel builds (its ``supported_model_kinds``), see :mod:`.kinds`
+NETWORKS = {kind.name: kind for kind in (TextNetwork, VisionLanguageNetwork)}
 
 
 @dataclass(frozen=True)
@@ -90,13 +94,18 @@ class Network:
     spec: convert.ModelSpec
     transformer_config: Any
     model_path: str | None
+    #: what the network is around its ``GPTModel`` (:mod:`.kinds`)
+    kind: Any
 
 
-def build_network(options: NetworkOptions, *, strategy: Any, device_type: str, seed: int) -> Network:
-    """megatron-core's ``GPTModel`` chunks of this rank, sharded by ``strategy``'s mesh, with their weights loaded
-    from the checkpoint (``model_id``) or from the Hugging Face model's random init (``config`` only)."""
+def build_network(options: NetworkOptions, *, strategy: Any, device_type: str, seed: int,
+                  model_kind: str = "causal_lm") -> Network:
+    """megatron-core's ``GPTModel`` chunks of this rank, sharded by ``strategy``'s mesh, in the network of the
+    task's ``model_kind`` (:mod:`.kinds`), with their weights loaded from the checkpoint (``model_id``) or from the
+    Hugging Face model's random init (``config`` only)."""
     from megatron.core import tensor_parallel
 
+    kind = NETWORKS[model_kind]()
     model_path = None
     if options.model_id is not None:
         from twinkle_core.sources.resolve import resolve_model
@@ -105,18 +114,24 @@ def build_network(options: NetworkOptions, *, strategy: Any, device_type: str, s
     hf_config = options.hf_config(model_path)
     if getattr(hf_config, "use_cache", None):
         hf_config.use_cache = False
-    spec = convert.model_spec(hf_config, strategy.mesh.tp)
+    language_config = kind.language_config(hf_config)
+    spec = kind.spec(hf_config, strategy.mesh.tp)
+    kind.check_layout(strategy.mesh, strategy.options)
     # The random init (config only) is the HF model's, built first so the global RNG is where a
     # TransformersModel with the same seed would build it: both backends start from the same weights.
-    init_state = _hf_init_state(hf_config, options.trust_remote_code) if model_path is None else None
+    init_state = kind.init_state(hf_config, options.trust_remote_code) if model_path is None else None
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    transformer_config = _transformer_config(options, hf_config, spec, strategy, device_type)
+    rotary = kind.rotary(language_config)
+    position_embedding = rotary.pop("position_embedding_type")
+    transformer_config = _transformer_config(options, language_config, spec, strategy, device_type, rotary)
     # with a vocabulary shard the head's logits stay split over the TP ranks (the losses take the softmax across
     # them); without, every rank gets the gathered full vocabulary
     parallel_output = strategy.vocab_shard(spec.vocab_size, spec.padded_vocab_size) is not None
-    module = _gpt_chunks(transformer_config, hf_config, spec, strategy.mesh.vpp, parallel_output)
-    padding.block_padding_gradient(module, getattr(hf_config, "pad_token_id", None))
-    weights = ShardedWeights(chunks_of(module), spec, strategy.mesh)
+    language = _gpt_chunks(transformer_config, language_config, spec, strategy.mesh.vpp, parallel_output,
+                           position_embedding)
+    padding.block_padding_gradient(language, getattr(language_config, "pad_token_id", None))
+    module = kind.assemble(language, hf_config)
+    weights = kind.weights(module, spec, strategy.mesh)
     if init_state is not None:
         fused = any(k.endswith("mlp.experts.gate_up_proj") for k in init_state)
         local = weights.local_state(init_state.__getitem__, fused_experts=fused)
@@ -124,7 +139,7 @@ def build_network(options: NetworkOptions, *, strategy: Any, device_type: str, s
         reader = convert.HFCheckpoint(model_path)
         local = weights.local_state(reader.get, fused_experts=reader.has_fused_experts())
     strategy.load_state_dict(module, local, strict=True)
-    return Network(module, hf_config, spec, transformer_config, model_path)
+    return Network(module, hf_config, spec, transformer_config, model_path, kind)
 
 
 def check_layout(spec: Any, mesh: Any, *, sequence_parallel: bool) -> None:
@@ -145,7 +160,7 @@ def check_layout(spec: Any, mesh: Any, *, sequence_parallel: bool) -> None:
 
 
 def _transformer_config(options: NetworkOptions, hf_config: Any, spec: convert.ModelSpec, strategy: Any,
-                        device_type: str) -> Any:
+                        device_type: str, rotary: dict[str, Any]) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     mesh = strategy.mesh
@@ -161,7 +176,7 @@ def _transformer_config(options: NetworkOptions, hf_config: Any, spec: convert.M
         params_dtype=torch.float32, pipeline_dtype=torch.float32,
         calculate_per_token_loss=True, batch_p2p_comm=bool(strategy.options["batch_p2p_comm"]),
         deallocate_pipeline_outputs=False,
-        **recompute_settings.SETTINGS[options.recompute],
+        **recompute_settings.SETTINGS[options.recompute], **rotary,
     )
     if "cuda_graph_scope" in getattr(TransformerConfig, "__dataclass_fields__", {}):
         # megatron-core's default "full" warns that it is deprecated in favour of [], which means the same
@@ -173,7 +188,7 @@ def _transformer_config(options: NetworkOptions, hf_config: Any, spec: convert.M
 
 
 def _gpt_chunks(transformer_config: Any, hf_config: Any, spec: convert.ModelSpec, vpp: int,
-                parallel_output: bool) -> torch.nn.Module:
+                parallel_output: bool, position_embedding: str) -> torch.nn.Module:
     """One ``GPTModel`` per virtual pipeline stage of this rank (a ``ModuleList`` when ``vpp > 1``)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -190,7 +205,7 @@ def _gpt_chunks(transformer_config: Any, hf_config: Any, spec: convert.ModelSpec
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             parallel_output=parallel_output, share_embeddings_and_output_weights=spec.tied,
-            position_embedding_type="rope", rotary_base=convert.rope_theta(hf_config),
+            position_embedding_type=position_embedding, rotary_base=convert.rope_theta(hf_config),
             vp_stage=vp_stage)
         enable_position_ids(chunk)
         _mark_tensor_parallel(chunk)
@@ -206,14 +221,6 @@ def _block_spec(transformer_config: Any, layer_spec: Any, vp_stage: int | None) 
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     return norms.with_sequence_parallel_norms(layer_spec, get_num_layers_to_build(transformer_config, vp_stage))
-
-
-def _hf_init_state(hf_config: Any, trust_remote_code: bool) -> dict[str, torch.Tensor]:
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
-                                                       trust_remote_code=trust_remote_code)
-    return {k: v.detach() for k, v in hf.state_dict().items()}
 
 
 def _mark_tensor_parallel(chunk: torch.nn.Module) -> None:

@@ -32,6 +32,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {"qkv_bias": None, "qk_norm": False, "moe": False},
     "mistral": {"qkv_bias": False, "qk_norm": False, "moe": False},
     "qwen2": {"qkv_bias": True, "qk_norm": False, "moe": False},
+    # the language model of Qwen2.5-VL (vision.py): Qwen2's decoder, with multimodal RoPE
+    "qwen2_5_vl_text": {"qkv_bias": True, "qk_norm": False, "moe": False},
     "qwen3": {"qkv_bias": None, "qk_norm": True, "moe": False},
     "qwen3_moe": {"qkv_bias": None, "qk_norm": True, "moe": True},
 }

@@ -1,6 +1,7 @@
 """Writing and reading a ``MegatronModel``'s checkpoints in Hugging Face formats.
 
-The full model is a safetensors directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads as is;
+The full model is a safetensors directory ``transformers.AutoModelForCausalLM.from_pretrained`` (a vision-language
+model: ``AutoModelForImageTextToText``) loads as is;
 an adapter is PEFT's files (``adapter_model.safetensors`` + ``adapter_config.json``).
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from twinkle_backend_megatron import convert
+from twinkle_backend_megatron.kinds import TextNetwork
 from twinkle_backend_megatron.lora import file_key
 
 
@@ -20,23 +22,29 @@ class MegatronExporter:
     """Hugging Face / PEFT files of a model built from ``hf_config`` (``model_id``: its source, for PEFT's
     ``base_model_name_or_path``; ``tokenizer``: saved next to the weights when given)."""
 
-    def __init__(self, hf_config: Any, spec: convert.ModelSpec, *, model_id: str | None, tokenizer: Any) -> None:
+    def __init__(self, hf_config: Any, spec: convert.ModelSpec, *, model_id: str | None, tokenizer: Any,
+                 kind: Any = None) -> None:
         self.hf_config, self.spec, self.model_id, self.tokenizer = hf_config, spec, model_id, tokenizer
+        #: the network's kind (kinds.py): the transformers auto class that loads the files (it names the config's
+        #: ``architectures``) and the names tensors have in the files
+        self.kind = kind if kind is not None else TextNetwork()
 
     def write_model(self, directory: str, state_dict: dict[str, torch.Tensor]) -> None:
         """``model.safetensors`` + ``config.json`` from full HF tensors."""
         from safetensors.torch import save_file
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.models.auto import modeling_auto
 
         tensors = {}
         for key, value in state_dict.items():
             if self.spec.tied and key == "lm_head.weight":
                 continue
-            tensors.update(convert.hub_layout(key, value.detach().cpu()))
+            tensors.update(convert.hub_layout(self.kind.file_key(key), value.detach().cpu()))
         save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
         config = self.hf_config
         if not getattr(config, "architectures", None):
-            config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+            names = {"AutoModelForCausalLM": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                     "AutoModelForImageTextToText": modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
+            config.architectures = [names[self.kind.auto_class()][config.model_type]]
         config.save_pretrained(directory)
         self._write_tokenizer(directory)
 

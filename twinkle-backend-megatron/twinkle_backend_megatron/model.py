@@ -1,4 +1,5 @@
-"""``MegatronModel``: Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE on megatron-core under the ``TwinkleModel`` API.
+"""``MegatronModel``: Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE (and Qwen2.5-VL for the ``vlm`` task) on megatron-core
+under the ``TwinkleModel`` API.
 
 Built from ``model_id`` (a Hugging Face checkpoint from any source the core resolves) or from a
 ``transformers`` config (random init: the weights a ``TransformersModel`` with the same ``seed``
@@ -26,6 +27,10 @@ how the network is built, run, converted and written:
 Inputs: ``input_ids``, optional ``attention_mask`` (padding) and ``position_ids`` (packed rows:
 positions restart at every sequence, which then attends only to itself, as in Hugging Face).
 
+A task of ``model_kind = "image_text_to_text"`` (the ``vlm`` task) gets the Hugging Face vision tower in front of
+the ``GPTModel``, which then runs Qwen-VL's multimodal RoPE (:mod:`.vision`; TP, PP and DP, full fine-tuning or
+freezing of the vision / projector / language parts, no LoRA yet); :mod:`.kinds` holds what differs per kind.
+
 The class holds single-purpose pieces and hands each what it needs: ``build.py`` (the network from the HF
 config), ``weights.py`` (Megatron shards <-> full HF tensors), ``export.py`` (HF / PEFT files), ``adapters.py``
 (LoRA), ``forward.py`` (running a chunk) and ``pipeline.py`` (megatron-core's pipeline schedules, which run on
@@ -44,13 +49,14 @@ import torch
 
 from twinkle_backend_megatron import convert
 from twinkle_backend_megatron.adapters import MegatronAdapters
-from twinkle_backend_megatron.build import NetworkOptions, build_network
+from twinkle_backend_megatron.build import NETWORKS, NetworkOptions, build_network
 from twinkle_backend_megatron.export import MegatronExporter, read_adapter
-from twinkle_backend_megatron.forward import call_chunk, pipeline_error
+from twinkle_backend_megatron.forward import pipeline_error
 from twinkle_backend_megatron.lora import target_modules
 from twinkle_backend_megatron.pipeline import MegatronPipeline, metrics_from_last_stage
 from twinkle_backend_megatron.sequence_padding import padded_length, trim_sequences
-from twinkle_backend_megatron.weights import ShardedWeights, chunks_of
+from twinkle_backend_megatron.weights import chunks_of
+from twinkle_core.capabilities import task_model_kind
 from twinkle_core.loss.base import LossOutput
 from twinkle_core.model.base import TwinkleModel
 from twinkle_core.model.frozen import trains
@@ -63,9 +69,10 @@ class MegatronModel(TorchTwinkleModel):
     supported_strategies = ("megatron",)
     strategy_note = ("It builds megatron-core's GPTModel, sharded by that strategy's mesh (TP / PP / VPP / EP / DP): "
                      "drop strategy= or pass strategy='megatron'.")
-    #: a text-only GPT with its vocabulary head: no value / score head, no encoder, no vision tower. The core
-    #: refuses other tasks' kinds (the PPO critic, embeddings, vlm) before building, naming the classes that can.
-    supported_model_kinds = ("causal_lm",)
+    #: a GPT with its vocabulary head, alone or behind a Hugging Face vision tower (:mod:`.kinds`): no value /
+    #: score head, no encoder. The core refuses other tasks' kinds (the PPO critic, embeddings) before building,
+    #: naming the classes that can.
+    supported_model_kinds = tuple(NETWORKS)
 
     def __init__(self, *, model_id: str | None = None, config: Any = None, revision: str | None = None,
                  trust_remote_code: bool | None = None, recompute: str | None = None,
@@ -98,8 +105,8 @@ class MegatronModel(TorchTwinkleModel):
 
     @property
     def chunks(self) -> list[Any]:
-        """The model chunks this rank holds (one, or ``vpp`` with virtual pipelining)."""
-        return chunks_of(self.module)
+        """The ``GPTModel`` chunks this rank holds (one, or ``vpp`` with virtual pipelining)."""
+        return chunks_of(self.network_kind.language(self.module))
 
     def describe(self) -> dict[str, Any]:
         from twinkle_backend_megatron.compat import megatron_version
@@ -117,18 +124,20 @@ class MegatronModel(TorchTwinkleModel):
     # ------------------------------------------------------------------ the network: build.py, weights.py
     def build_network(self) -> torch.nn.Module:
         network = build_network(self.network_options, strategy=self.strategy,
-                                device_type=self.accelerator.device_type, seed=self.seed)
+                                device_type=self.accelerator.device_type, seed=self.seed,
+                                model_kind=task_model_kind(self.task))
         self.hf_config, self.spec, self.model_path = network.hf_config, network.spec, network.model_path
+        self.network_kind = network.kind
         self.transformer_config = network.transformer_config
         self.vocab_shard = self.strategy.vocab_shard(network.spec.vocab_size, network.spec.padded_vocab_size)
         self.whole_vocabulary_context = self.loss_context
         self.vocab_parallel_context = dataclasses.replace(self.loss_context, vocab_shard=self.vocab_shard)
-        self.lora_adapters = MegatronAdapters(network.module, network.spec, seed=self.seed, pp=self.mesh.pp,
+        self.lora_adapters = MegatronAdapters(network.kind.language(network.module), network.spec, seed=self.seed, pp=self.mesh.pp,
                                               sequence_parallel=bool(self.strategy.options["sequence_parallel"]))
         return network.module
 
-    def _weights(self) -> ShardedWeights:
-        return ShardedWeights(self.chunks, self.spec, self.mesh)
+    def _weights(self) -> Any:
+        return self.network_kind.weights(self.module, self.spec, self.mesh)
 
     def get_state_dict(self, *, adapter_name: str | None = None) -> dict[str, Any]:
         name = self.train_state(adapter_name).name  # "" is the full model
@@ -143,7 +152,8 @@ class MegatronModel(TorchTwinkleModel):
         return self.hf_config
 
     def write_weights(self, directory: str, state_dict: dict[str, torch.Tensor], adapter_name: str | None) -> None:
-        exporter = MegatronExporter(self.hf_config, self.spec, model_id=self.model_id, tokenizer=self.tokenizer)
+        exporter = MegatronExporter(self.hf_config, self.spec, model_id=self.model_id, tokenizer=self.tokenizer,
+                                    kind=self.network_kind)
         if adapter_name is None:
             exporter.write_model(directory, state_dict)
         else:
@@ -156,6 +166,10 @@ class MegatronModel(TorchTwinkleModel):
         return self._weights().local_state(reader.get, fused_experts=reader.has_fused_experts())
 
     # ------------------------------------------------------------------ LoRA: adapters.py
+    def adapter_config_for(self, config: Any) -> Any:
+        self.network_kind.check_adapter()
+        return config
+
     def attach_adapter(self, adapter_name: str, config: Any, **kwargs: Any) -> None:
         self.lora_adapters.attach(adapter_name, config, self.device)
 
@@ -179,7 +193,7 @@ class MegatronModel(TorchTwinkleModel):
     def run_network(self, module: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         if self.pp_size > 1:
             raise pipeline_error("forward", self.pp_size)
-        logits = call_chunk(module, inputs, self.strategy.unwrap_module)
+        logits = self.network_kind.run(module, inputs, self.strategy.unwrap_module)
         if self.vocab_shard is not None:
             if not self._gather_logits:
                 return {"logits": logits}  # this rank's vocabulary slice, for the vocabulary-parallel losses
@@ -248,7 +262,9 @@ class MegatronModel(TorchTwinkleModel):
 
     def _pipeline(self) -> MegatronPipeline:
         return MegatronPipeline(self.chunks, strategy=self.strategy, vocab_size=self.spec.vocab_size, task=self.task,
-                                loss_context=self.vocab_parallel_context, unwrap=self.strategy.unwrap_module)
+                                loss_context=self.vocab_parallel_context, unwrap=self.strategy.unwrap_module,
+                                run_chunk=self.network_kind.stage_runner(self.module),
+                                split=self.network_kind.splitter(self.module))
 
     def calculate_metric(self, *, adapter_name: str | None = None, reset: bool = True) -> dict[str, float]:
         compute = functools.partial(super().calculate_metric, adapter_name=adapter_name, reset=reset)

@@ -32,9 +32,13 @@ class MegatronPipeline:
     """
 
     def __init__(self, chunks: list[Any], *, strategy: Any, vocab_size: int, task: Any, loss_context: Any,
-                 unwrap: Callable[[Any], Any]) -> None:
+                 unwrap: Callable[[Any], Any], run_chunk: Callable[..., Any] = call_chunk,
+                 split: Callable[[dict[str, Any], int], list[dict[str, Any]]] | None = None) -> None:
         self.chunks, self.strategy, self.vocab_size = chunks, strategy, vocab_size
         self.task, self.loss_context, self.unwrap = task, loss_context, unwrap
+        #: how a stage runs its chunk on a micro-batch, and how the batch is cut into micro-batches (a
+        #: vision-language batch cuts its images with its rows, vision.py)
+        self.run_chunk, self.split = run_chunk, split or split_rows
 
     def run(self, step: StepContext, inputs: dict[str, Any], *, forward_only: bool) -> dict[str, Any]:
         """``forward_backward`` (``forward_only=False``) or ``forward_only`` of the batch ``inputs``."""
@@ -53,15 +57,7 @@ class MegatronPipeline:
 
     def _micro_batches(self, inputs: dict[str, Any]) -> list[dict[str, Any]]:
         """The batch split into the strategy's ``num_microbatches`` equal pipeline micro-batches (row-wise)."""
-        rows = inputs["input_ids"].shape[0]
-        micro = self.strategy.num_microbatches
-        if rows % micro:
-            raise ConfigError(f"a batch of {rows} rows cannot be split into num_microbatches={micro} equal pipeline "
-                              f"micro-batches; change the batch size or strategy_options num_microbatches")
-        size = rows // micro
-        per_row = {k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows}
-        return [{k: v[i * size:(i + 1) * size] if k in per_row else v for k, v in inputs.items()}
-                for i in range(micro)]
+        return self.split(inputs, self.strategy.num_microbatches)
 
     def _task_outputs(self, outputs: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
         return self.task.process_outputs(outputs, inputs) if self.task is not None else outputs
@@ -87,7 +83,7 @@ class MegatronPipeline:
                 scaled = self.strategy.scale_loss(state.scale_for_backward(result.loss))
                 return scaled, torch.tensor(int(float(result.num_tokens)), dtype=torch.int), {}
 
-            return call_chunk(chunk, batch, self.unwrap), loss_func
+            return self.run_chunk(chunk, batch, self.unwrap), loss_func
 
         return forward_step
 
@@ -141,6 +137,18 @@ class MegatronPipeline:
         if _is_last_stage():
             out = {**_join_micro_batches([outputs for outputs, _ in scored]), **out, **_mean_metrics(results)}
         return out
+
+
+def split_rows(inputs: dict[str, Any], micro: int) -> list[dict[str, Any]]:
+    """``inputs`` cut into ``micro`` equal pipeline micro-batches of rows (every tensor with a row per batch row)."""
+    rows = inputs["input_ids"].shape[0]
+    if rows % micro:
+        raise ConfigError(f"a batch of {rows} rows cannot be split into num_microbatches={micro} equal pipeline "
+                          f"micro-batches; change the batch size or strategy_options num_microbatches")
+    size = rows // micro
+    per_row = {k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows}
+    return [{k: v[i * size:(i + 1) * size] if k in per_row else v for k, v in inputs.items()}
+            for i in range(micro)]
 
 
 def metrics_from_last_stage(compute: Callable[[], dict[str, float]], state: TrainState, *,
