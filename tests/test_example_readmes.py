@@ -74,6 +74,16 @@ NOT_RUN = {
     "twinkle train examples/vlm/preference.yaml":
         "plugins/twinkle-vlm/tests/test_preference_quickstart.py::test_preference_quickstart_trains_two_steps_and_evaluates"
         " runs it at 2 steps",
+    "python examples/vlm/make_grpo_data.py":
+        "plugins/twinkle-vlm/tests/test_grpo_quickstart.py::test_grpo_quickstart_trains_two_steps_and_evaluates"
+        " runs it on 32 pictures",
+    "twinkle train examples/vlm/recipe.yaml data.train=examples/vlm/grpo_data/sft.jsonl "
+    "data.eval=examples/vlm/grpo_data/eval.jsonl train.max_steps=200 train.output_dir=outputs/vlm_grpo/sft":
+        "plugins/twinkle-vlm/tests/test_grpo_quickstart.py::test_grpo_quickstart_trains_two_steps_and_evaluates"
+        " runs it at 2 steps",
+    "twinkle train examples/vlm/grpo.yaml":
+        "plugins/twinkle-vlm/tests/test_grpo_quickstart.py::test_grpo_quickstart_trains_two_steps_and_evaluates"
+        " runs it at 2 steps",
     "python examples/vlm/make_videos.py":
         "plugins/twinkle-vlm/tests/test_video_quickstart.py::test_video_quickstart_trains_two_steps_and_evaluates"
         " runs it on 24 clips",
