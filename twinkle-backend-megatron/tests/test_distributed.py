@@ -2,7 +2,8 @@
 
 Parity: the same tiny Hugging Face weights trained 10 AdamW steps (cosine schedule, clipping at 1.0)
 give the same losses, pre-clip gradient norms and final logits on the HF backend (one process) and
-on Megatron with TP=2, PP=2 (also with tied embeddings), PP=2 x VPP=2, TP=2 x PP=2 (4 ranks), EP=2
+on Megatron with TP=2, PP=2 (also with tied embeddings), PP=2 x VPP=2, TP=2 x PP=2 (4 ranks, also with sequence
+parallelism, dense and MoE), TP=2 with sequence parallelism, EP=2
 (Qwen3-MoE), DP=2 with the distributed optimizer, and LoRA (the LM head's too) at TP=2 and PP=2 (fp32; within the HF
 reference's own float noise: its distance from the same run with its rows reversed and from the run in
 float64, see ``twinkle_core.testing.tolerance``).
@@ -109,6 +110,15 @@ def _assert_parity(got: dict, want: dict) -> None:
                          floor=_logits_tolerance(want["logits"]), exact_reference=exact.get("logits"))
 
 
+def _assert_padded_run_matches(padded: dict, plain: dict, *, length: int) -> None:
+    """A sequence-parallel run on ``length``-long rows (padded to a multiple of TP, outputs cut back) trains as the
+    same layout without SP: losses within one step's summation rounding, logits within a forward's, both per step."""
+    assert len(padded["logits"][0]) == length
+    steps, tokens = len(plain["losses"]), 8 * length
+    assert max_abs_diff(padded["losses"], plain["losses"]) <= sum_tolerance(tokens, max(plain["losses"])) * steps
+    assert max_abs_diff(padded["logits"], plain["logits"]) <= _logits_tolerance(plain["logits"]) * steps
+
+
 def _logits_tolerance(logits) -> float:
     """One forward pass of the same weights by two implementations (see ``forward_tolerance``)."""
     config = tiny_llama_config(num_hidden_layers=4)  # the deepest and widest of the tiny models
@@ -205,10 +215,7 @@ def test_sequence_parallel_dense_and_moe_parity(weights, tmp_path):
         {"model": paths["moe"], "mesh": {"tp": 2}, "strategy_options": sp}])
     _assert_parity(dense, refs["qwen2"])
     _assert_parity(moe, refs["moe"])
-    assert len(odd_sp["logits"][0]) == 11
-    tokens = 8 * 11
-    assert max_abs_diff(odd_sp["losses"], odd["losses"]) <= sum_tolerance(tokens, max(odd["losses"])) * len(odd["losses"])
-    assert max_abs_diff(odd_sp["logits"], odd["logits"]) <= _logits_tolerance(odd["logits"]) * len(odd["losses"])
+    _assert_padded_run_matches(odd_sp, odd, length=11)
 
 
 @pytest.mark.parity
@@ -216,6 +223,27 @@ def test_tensor_and_pipeline_parallel_on_four_ranks(weights, tmp_path):
     paths, refs = weights
     (got,) = _megatron(tmp_path, [{"model": paths["llama4"], "mesh": {"tp": 2, "pp": 2}}], nproc=4, timeout=420)
     _assert_parity(got, refs["llama4"])
+
+
+@pytest.mark.parity
+def test_sequence_parallel_with_pipeline_parallel_on_four_ranks(weights, tmp_path):
+    """TP=2 x SP x PP=2: the stages exchange ``[padded length / tp, rows, hidden]`` activations (megatron-core's
+    schedules divide the length they are given by ``tp``, rounding down: ``get_tensor_shapes`` for 1F1B, its own
+    ``tensor_shape`` for the interleaved one; so the batch is padded before it is cut into micro-batches). The dense
+    model and the MoE equal the HF reference, and a length that does not divide by TP trains as TP x PP without SP
+    does, also with VPP=2."""
+    paths, refs = weights
+    layout, sp = {"tp": 2, "pp": 2}, {"sequence_parallel": True}
+    dense, odd, odd_sp, odd_sp_vpp, moe = _megatron(tmp_path, [
+        {"model": paths["llama4"], "mesh": layout, "strategy_options": sp},
+        {"model": paths["llama4"], "mesh": layout, "length": 11},
+        {"model": paths["llama4"], "mesh": layout, "length": 11, "strategy_options": sp},
+        {"model": paths["llama4"], "mesh": {**layout, "vpp": 2}, "length": 11, "strategy_options": sp},
+        {"model": paths["moe"], "mesh": layout, "strategy_options": sp}], nproc=4, timeout=420)
+    _assert_parity(dense, refs["llama4"])
+    _assert_parity(moe, refs["moe"])
+    _assert_padded_run_matches(odd_sp, odd, length=11)
+    _assert_padded_run_matches(odd_sp_vpp, odd, length=11)
 
 
 @pytest.mark.parity

@@ -1,20 +1,25 @@
 """The pieces of Megatron's sequence parallelism (TP-SP) on CPU: torch norms tagged for the TP gradient sum,
-batches padded to a multiple of ``tp`` and cut back, and the MoE rule. The 2-rank parity runs are in
-``test_distributed.py``."""
+batches padded to a multiple of ``tp`` and cut back, the activations pipeline stages exchange under SP, and the
+MoE rule. The parity runs (TP=2 on 2 ranks, TP=2 x PP=2 on 4) are in ``test_distributed.py``."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 from twinkle_backend_megatron import build, norms
+from twinkle_backend_megatron.pipeline import MegatronPipeline
 from twinkle_backend_megatron.sequence_padding import pad_sequences, trim_sequences
+from twinkle_backend_megatron.strategy import MegatronStrategy
 
 from twinkle_core.constants import IGNORE_INDEX
 from twinkle_core.errors import ConfigError
 from twinkle_core.mesh import DeviceMesh
+from twinkle_core.model.step_context import StepContext
+from twinkle_core.precision import FullPrecision
 
 
 def _config(**overrides):
@@ -80,3 +85,40 @@ def test_moe_with_tensor_parallelism_asks_for_sequence_parallelism():
         build.check_layout(moe, DeviceMesh(tp=2), sequence_parallel=False)
     build.check_layout(moe, DeviceMesh(tp=2), sequence_parallel=True)
     build.check_layout(moe, DeviceMesh(dp=2, ep=2), sequence_parallel=False)
+
+
+class _ScheduleCalled(Exception):
+    """Stops the pipeline once it has handed megatron-core's schedule its arguments."""
+
+
+def test_pipeline_stages_exchange_a_whole_tensor_parallel_share_of_the_padded_sequence(monkeypatch):
+    """Under TP-SP x PP megatron-core sizes the activations the stages send each other from the schedule's
+    ``seq_length`` (``get_tensor_shapes`` in megatron/core/pipeline_parallel/schedules.py: ``seq_length // tp``,
+    rounded down), while the first stage's embedding scatters the micro-batch's own length over the TP ranks. The
+    two agree only if the batch is padded before it is cut into micro-batches and the schedule gets the padded
+    length: 11 // 2 = 5 positions sent for 6 computed would fail (or garble) the p2p receive."""
+    from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
+
+    seen: dict = {}
+
+    def schedule(**kwargs):
+        seen.update(kwargs, pieces=list(kwargs["data_iterator"][0]))
+        raise _ScheduleCalled
+
+    monkeypatch.setattr("megatron.core.pipeline_parallel.get_forward_backward_func", lambda: schedule)
+    tp, hidden = 2, 16
+    strategy = MegatronStrategy(DeviceMesh(tp=tp, pp=2), precision=FullPrecision(), sequence_parallel=True)
+    pipeline = MegatronPipeline([torch.nn.Linear(1, 1)], strategy=strategy, vocab_size=8, task=None,
+                                loss_context=None, unwrap=lambda chunk: chunk)
+    step = StepContext(state=None, device=torch.device("cpu"), ensure_loss=lambda state: None,
+                       enter_adapter=contextlib.nullcontext)
+    with pytest.raises(_ScheduleCalled):
+        pipeline.run(step, {"input_ids": torch.ones(8, 11, dtype=torch.long)}, forward_only=True)
+    pieces = seen["pieces"]
+    assert len(pieces) == 2 and all(piece["input_ids"].shape == (4, 12) for piece in pieces)
+    assert all(int(piece["attention_mask"][:, 11].sum()) == 0 for piece in pieces)  # the added position is padding
+    group = SimpleNamespace(size=lambda: tp)
+    (sent,) = get_tensor_shapes(seq_length=seen["seq_length"], micro_batch_size=seen["micro_batch_size"],
+                                decoder_seq_length=None, config=SimpleNamespace(sequence_parallel=True, hidden_size=hidden),
+                                tp_group=group, cp_group=SimpleNamespace(size=lambda: 1))
+    assert sent == (12 // tp, 4, hidden)  # what the embedding's scatter gives each TP rank of a micro-batch

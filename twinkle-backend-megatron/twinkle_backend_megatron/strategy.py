@@ -19,7 +19,8 @@ Options:
   ``forward_backward`` batch is split into when ``pp > 1``.
 * ``batch_p2p_comm`` (default: ``True`` except with virtual pipelining on gloo, where megatron-core's
   batched isend/irecv gives wrong results) — passed to the pipeline schedules.
-* ``sequence_parallel`` (GPU only) — Megatron sequence parallelism inside TP regions.
+* ``sequence_parallel`` (needs ``tp > 1``) — Megatron sequence parallelism inside TP regions (on CPU too, with
+  ``pp > 1`` as well; lengths are padded to a multiple of ``tp``, see :mod:`.sequence_padding`).
 * ``distributed_optimizer`` (default ``False``) — Megatron's ``DistributedOptimizer``: the model chunks
   are wrapped in megatron-core's ``DistributedDataParallel`` (contiguous gradient buffers,
   reduce-scatter over the data-parallel ranks) and the optimizer state and fp32 main weights are
