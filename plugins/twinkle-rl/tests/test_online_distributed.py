@@ -104,6 +104,9 @@ DIST_RUNS = {
 }
 RESUME_AT = 1
 MEGATRON_RUN = {"backend": "megatron", "mesh": {"tp": 2}, "copy_weights": True}
+#: the Megatron runs and the single-process reference each is compared with: text from the saved HF weights, and
+#: the vlm_grpo task (a Megatron Qwen2.5-VL whose sampler copy is a transformers Qwen2.5-VL)
+MEGATRON_RUNS = {"hf_weights": MEGATRON_RUN, **{key: {**MEGATRON_RUN, "vlm": True} for key in VLM_KEYS}}
 
 
 @pytest.fixture(scope="module")
@@ -451,17 +454,18 @@ def test_resuming_mid_rollout_on_two_ranks_continues_the_run(reference, hf_runs)
 def megatron_job(reference) -> tuple[TorchrunResult, Path]:
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     pytest.importorskip("twinkle_backend_megatron", reason="the Megatron backend is not installed")
-    return _torchrun(reference, "megatron", [MEGATRON_RUN])
+    return _torchrun(reference, "megatron", list(MEGATRON_RUNS.values()))
 
 
 @pytest.mark.parity
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
-def test_megatron_tp2_with_pushed_weights_samples_and_trains_as_hf(reference, megatron_job):
+@pytest.mark.parametrize("name", list(MEGATRON_RUNS))
+def test_megatron_tp2_with_pushed_weights_samples_and_trains_as_hf(reference, megatron_job, name):
     job, out = megatron_job
     assert job.returncode == 0, job.output
-    run = json.loads(out.read_text())[0]
-    ref = reference["refs"]["hf_weights"]
+    run = json.loads(out.read_text())[list(MEGATRON_RUNS).index(name)]
+    ref = reference["refs"][name]
     assert run["world_size"] == 2 and run["dp_size"] == 1, run["spec"]
     # both tensor-parallel ranks sample the whole batch with their own copy, and must train on the same one
     ranks = [{k: {**g, "rank": None} for k, g in groups_by_prompt(run, rank=r).items()} for r in range(2)]
@@ -471,12 +475,13 @@ def test_megatron_tp2_with_pushed_weights_samples_and_trains_as_hf(reference, me
     # the first rollout: the copy holds the gathered initial weights, which are the saved HF weights
     first = sorted(k for k in groups_by_prompt(ref) if k[0] == 0)
     first_delta = max_abs_diff(logprobs_of(run, first, rank=0), logprobs_of(ref, first))
-    assert first_delta <= logprob_floor(ref, model_config(reference)), f"megatron: first rollout's log-probs differ by {first_delta:.3g}"
-    deltas = {"logprobs": assert_same_rollouts(run, ref, "megatron tp2", model_config(reference), rank=0)}
+    config = model_config(reference, name)
+    assert first_delta <= logprob_floor(ref, config), f"megatron: first rollout's log-probs differ by {first_delta:.3g}"
+    deltas = {"logprobs": assert_same_rollouts(run, ref, f"megatron tp2 {name}", config, rank=0)}
     deltas["advantages"] = max(max_abs_diff(g["advantages"], groups_by_prompt(ref)[k]["advantages"])
                                for k, g in groups_by_prompt(run, rank=0).items())
     assert deltas["advantages"] == 0.0
-    deltas.update(assert_same_training(run, ref, "megatron tp2"))
-    print("megatron tp2: first rollout max |d logprob| = "
+    deltas.update(assert_same_training(run, ref, f"megatron tp2 {name}"))
+    print(f"megatron tp2 {name}: first rollout max |d logprob| = "
           f"{first_delta:.3g}, " + ", ".join(f"max |d {k}| = {v:.3g}" for k, v in deltas.items()))
 

@@ -173,7 +173,7 @@ def recipe(spec: dict[str, Any], init_dir: str, output_dir: str, dp_size: int, t
     options = task_options(spec)
     train = os.path.join(init_dir, "arithmetic.jsonl" if spec.get("environment") else "prompts.jsonl")
     if spec.get("vlm"):  # the grpo task's loss on prompts that show pictures
-        model = {"class_name": "TransformersModel", "model_id": os.path.join(init_dir, "vlm")}
+        model = {"class_name": model["class_name"], "model_id": os.path.join(init_dir, "vlm")}
         options.update(VLM_PIXELS, train_vision="full", train_projector="full", train_language="full")
         task, train = "vlm_grpo", os.path.join(init_dir, "pictures.jsonl")
     return {

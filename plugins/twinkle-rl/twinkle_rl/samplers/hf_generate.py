@@ -55,6 +55,23 @@ class _Row:
     finish_reason: str | None = None
 
 
+def _auto_class(config: Any) -> Any:
+    """The transformers class that builds the sampler's copy: a vision-language config (Qwen2.5-VL ...) is no
+    causal LM's, it builds with ``AutoModelForImageTextToText``; custom code says which class in its ``auto_map``."""
+    import transformers
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
+
+    auto_map = getattr(config, "auto_map", None) or {}
+    if "AutoModelForCausalLM" in auto_map or type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return transformers.AutoModelForCausalLM
+    if "AutoModelForImageTextToText" in auto_map or type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM  # its error names the config transformers cannot build
+
+
 class HFGenerateSampler(Sampler):
     """Samples with ``module(input_ids, attention_mask, position_ids, past_key_values, use_cache=True)``.
 
@@ -129,7 +146,6 @@ class HFGenerateSampler(Sampler):
         self.policy_step = update.step
 
     def _build_copy(self) -> torch.nn.Module:
-        import transformers
 
         if self.copy_config is None:
             raise ConfigError("hf_generate received weights before bind(): bind the policy first")
@@ -137,8 +153,8 @@ class HFGenerateSampler(Sampler):
         # so transformers never asks on stdin
         trust = resolve.trust_remote_code(getattr(self.model, "trust_remote_code", None))
         with resolve.explain_remote_code_refusal("the sampler's copy of the policy"):
-            copy = transformers.AutoModelForCausalLM.from_config(self.copy_config, dtype=torch.float32,
-                                                                 trust_remote_code=trust)
+            copy = _auto_class(self.copy_config).from_config(self.copy_config, dtype=torch.float32,
+                                                             trust_remote_code=trust)
         return copy.to(getattr(self.model, "device", "cpu")).eval()
 
     @staticmethod
