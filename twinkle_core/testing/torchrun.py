@@ -48,6 +48,24 @@ def thread_env() -> dict[str, str]:
     return env
 
 
+def offline_env() -> dict[str, str]:
+    """The environment of a test's example command: this one, less a launcher's rank variables, offline (nothing
+    downloads), without progress bars or TensorBoard, with :func:`thread_env`'s threads."""
+    variables = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    variables.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TWINKLE_NO_PROGRESS": "1",
+                      "TOKENIZERS_PARALLELISM": "false", "TWINKLE_TENSORBOARD": "0", **thread_env()})
+    return variables
+
+
+def run_python(*args: str, timeout: float, cwd: str | os.PathLike[str]) -> subprocess.CompletedProcess:
+    """``python *args`` in ``cwd`` with :func:`offline_env`; fails the test with the output's tail unless it
+    exits 0 (an example script, or ``-m twinkle_core.cli train ...``)."""
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                            env=offline_env(), cwd=cwd)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    return result
+
+
 def exit_job(code: int = 0) -> None:
     """End a torchrun test script: wait for every rank, flush, and leave without tearing gloo down.
 

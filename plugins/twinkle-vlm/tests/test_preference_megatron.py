@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from twinkle_core.testing.tolerance import forward_tolerance
-from twinkle_core.testing.torchrun import thread_env
+from twinkle_core.testing.torchrun import run_python
 
 pytest.importorskip("twinkle_backend_megatron")
 pytest.importorskip("twinkle_rl")
@@ -25,11 +22,7 @@ BETA = 1.0  # preference.yaml's
 
 
 def _run(*args: str, timeout: float) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TWINKLE_NO_PROGRESS": "1",
-                "TOKENIZERS_PARALLELISM": "false", "TWINKLE_TENSORBOARD": "0", **thread_env()})
-    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    run_python(*args, timeout=timeout, cwd=REPO)
 
 
 def _train_lines(out: Path) -> list[dict]:

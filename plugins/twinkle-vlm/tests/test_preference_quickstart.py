@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from twinkle_core.testing.torchrun import thread_env
+from twinkle_core.testing.torchrun import run_python
 
 pytest.importorskip("twinkle_backend_hf")
 pytest.importorskip("twinkle_rl")
@@ -22,14 +21,7 @@ EXAMPLE = REPO / "examples" / "vlm"
 
 
 def run(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TWINKLE_NO_PROGRESS": "1",
-                "TOKENIZERS_PARALLELISM": "false", "TWINKLE_TENSORBOARD": "0", **thread_env()})
-    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    return result
+    return run_python(*args, timeout=timeout, cwd=REPO)
 
 
 def test_preference_quickstart_trains_two_steps_and_evaluates(tmp_path):

@@ -16,13 +16,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from twinkle_core.testing.torchrun import thread_env
+from twinkle_core.testing.torchrun import run_python
 
 pytest.importorskip("twinkle_backend_hf")
 
@@ -38,18 +37,8 @@ def example_module(name: str):
     return module
 
 
-def env() -> dict[str, str]:
-    variables = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    variables.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TWINKLE_NO_PROGRESS": "1",
-                      "TOKENIZERS_PARALLELISM": "false", "TWINKLE_TENSORBOARD": "0", **thread_env()})
-    return variables
-
-
 def run(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env(),
-                            cwd=REPO)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    return result
+    return run_python(*args, timeout=timeout, cwd=REPO)
 
 
 def make_data(directory: Path, train: int, evaluation: int) -> None:

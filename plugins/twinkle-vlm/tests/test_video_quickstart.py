@@ -8,14 +8,13 @@ import hashlib
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from twinkle_core.testing.torchrun import thread_env
+from twinkle_core.testing.torchrun import run_python
 
 pytest.importorskip("twinkle_backend_hf")
 
@@ -35,12 +34,7 @@ def _make_videos():
 
 
 def run(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TWINKLE_NO_PROGRESS": "1",
-                "TOKENIZERS_PARALLELISM": "false", "TWINKLE_TENSORBOARD": "0", **thread_env()})
-    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    return result
+    return run_python(*args, timeout=timeout, cwd=REPO)
 
 
 def _centre_x(path: Path) -> float:
