@@ -18,7 +18,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_on_ascend.sh"
 #: the tiniest model the checks build: one layer, hidden 32, 2 x 16 tokens
 TINY = ["--hidden", "32", "--layers", "1", "--heads", "4", "--vocab", "64", "--seq", "16", "--batch", "2",
         "--warmup", "1", "--repeats", "2"]
-KERNELS = ("npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_fusion_attention")
+KERNELS = ("npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_fusion_attention", "npu_ring_block_attention")
 
 
 def _run(check: str, tmp_path: Path, *extra: str) -> tuple[int, dict]:

@@ -34,13 +34,19 @@ FAMILIES = {
     "mistral": {"head_dim": 16},
 }
 # modules each kernel replaces per family: norms (2 per layer + final; Qwen3 adds q/k norms), one rotary call and
-# one attention per layer, one gated MLP per dense layer
+# one attention per layer, one gated MLP per dense layer; the ring block kernel is attached to each attention layer
+# (idle here: no ring runs; tests/test_ring_block_npu.py runs it)
 EXPECTED_SITES = {
-    "qwen2": {"npu_rms_norm": 5, "npu_rotary_mul": 2, "npu_swiglu": 2, "npu_fusion_attention": 2},
-    "qwen3": {"npu_rms_norm": 9, "npu_rotary_mul": 2, "npu_swiglu": 2, "npu_fusion_attention": 2},
-    "qwen3_moe": {"npu_rms_norm": 9, "npu_rotary_mul": 2, "npu_swiglu": 1, "npu_fusion_attention": 2},
-    "llama": {"npu_rms_norm": 5, "npu_rotary_mul": 2, "npu_swiglu": 2, "npu_fusion_attention": 2},
-    "mistral": {"npu_rms_norm": 5, "npu_rotary_mul": 2, "npu_swiglu": 2, "npu_fusion_attention": 2},
+    "qwen2": {"npu_rms_norm": 5, "npu_rotary_mul": 2, "npu_swiglu": 2, "npu_fusion_attention": 2,
+              "npu_ring_block_attention": 2},
+    "qwen3": {"npu_rms_norm": 9, "npu_rotary_mul": 2, "npu_swiglu": 2, "npu_fusion_attention": 2,
+              "npu_ring_block_attention": 2},
+    "qwen3_moe": {"npu_rms_norm": 9, "npu_rotary_mul": 2, "npu_swiglu": 1, "npu_fusion_attention": 2,
+                  "npu_ring_block_attention": 2},
+    "llama": {"npu_rms_norm": 5, "npu_rotary_mul": 2, "npu_swiglu": 2, "npu_fusion_attention": 2,
+              "npu_ring_block_attention": 2},
+    "mistral": {"npu_rms_norm": 5, "npu_rotary_mul": 2, "npu_swiglu": 2, "npu_fusion_attention": 2,
+                "npu_ring_block_attention": 2},
 }
 OPS = ("npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_fusion_attention")
 
@@ -137,7 +143,8 @@ def test_transformers_model_applies_them_on_the_npu_accelerator_only(npu, monkey
     config = {"model_type": "llama", **COMMON}
     monkeypatch.setenv("TWINKLE_ACCELERATOR", "npu")
     on_npu = TransformersModel(config=config, seed=0, kernels={"npu_rms_norm": False})
-    assert on_npu.applied_kernels.counts == {"npu_rotary_mul": 2, "npu_swiglu": 2, "npu_fusion_attention": 2}
+    assert on_npu.applied_kernels.counts == {"npu_rotary_mul": 2, "npu_swiglu": 2, "npu_fusion_attention": 2,
+                                             "npu_ring_block_attention": 2}
     monkeypatch.setenv("TWINKLE_ACCELERATOR", "cpu")
     assert TransformersModel(config=config, seed=0).applied_kernels.counts == {}
 

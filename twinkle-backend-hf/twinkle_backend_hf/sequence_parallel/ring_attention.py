@@ -15,6 +15,10 @@ query index``) and, with ``segment_ids``, packed sequences (a query sees only ke
 segment). A block that the causal rule hides completely is skipped (no compute; it still travels).
 Grouped-query attention: each key/value head serves ``H / Hkv`` consecutive query heads, as in
 ``transformers``' ``repeat_kv``; only the ``Hkv`` heads travel.
+
+Each block's forward is :func:`.ring_blocks.block_forward`: plain matrix products, or a fused attention kernel
+that a kernel plugin attached to the attention layer (:mod:`.ring_blocks`) for the full and causal blocks.
+The merge and the backward stay here, so a kernel needs to give the block's output and log-sum-exp only.
 """
 
 from __future__ import annotations
@@ -27,20 +31,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from twinkle_backend_hf.sequence_parallel import ring_layout
+from twinkle_backend_hf.sequence_parallel import ring_blocks, ring_layout
 from twinkle_backend_hf.sequence_parallel.ulysses import RING_INNER, sequence_ids
 from twinkle_core.errors import ConfigError
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any, causal: bool,
-                   layout: str, segment_ids: torch.Tensor | None = None,
-                   scale: float | None = None) -> torch.Tensor:
+                   layout: str, segment_ids: torch.Tensor | None = None, scale: float | None = None,
+                   block_attention: ring_blocks.BlockAttention | None = None) -> torch.Tensor:
     """Attention of the local queries over the whole (ring-distributed) sequence.
 
     ``q`` ``[B, H, S, D]``, ``k``/``v`` ``[B, Hkv, S, D]`` with ``S`` this rank's tokens (in ``layout``
     order); ``segment_ids`` ``[B, S]`` integers (equal ids = the same packed sequence), computed on
     the *global* sequence before sharding. Returns ``[B, H, S, D]`` in ``q``'s dtype. ``group``: the
-    ring's process group (``None``: the default group)."""
+    ring's process group (``None``: the default group). ``block_attention``: a fused kernel for the full and
+    causal blocks (:mod:`.ring_blocks`; ``None``: plain matrix products for every block)."""
     ring_layout.check_layout(layout)
     if q.dim() != 4 or k.shape != v.shape or k.shape[:1] + k.shape[2:] != q.shape[:1] + q.shape[2:]:
         raise ValueError(f"ring attention needs q [B, H, S, D] and k, v [B, Hkv, S, D]; got {tuple(q.shape)}, "
@@ -49,7 +54,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
         raise ConfigError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     segments = None if segment_ids is None else _gather_segments(segment_ids, group)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, segments, group, bool(causal), layout, float(scale))
+    return _RingAttention.apply(q, k, v, segments, group, bool(causal), layout, float(scale), block_attention)
 
 
 # ====================================================================== communication
@@ -84,13 +89,15 @@ def _wait(requests: list[Any]) -> None:
 class _Block:
     """What rank ``rank`` computes against the key/value block of rank ``source``: the query rows and key
     columns that can meet (:func:`~.ring_layout.causal_window`; all of them without the causal rule), the
-    mask on them (``None``: all visible), or ``skip`` when nothing meets. ``segments`` (``[R, B, S]``) add
-    the same-segment rule."""
+    mask on them (``None``: all visible) and its ``kind`` (:data:`~.ring_blocks.BlockKind`: a fused block
+    kernel computes ``full`` and ``causal`` blocks), or ``skip`` when nothing meets. ``segments``
+    (``[R, B, S]``) add the same-segment rule."""
 
     def __init__(self, length: int, size: int, rank: int, source: int, causal: bool, layout: str,
                  segments: torch.Tensor | None, device: torch.device) -> None:
         self.rows, self.cols = slice(None), slice(None)
         self.mask: torch.Tensor | None = None
+        self.kind: ring_blocks.BlockKind = "full"
         self.skip = False
         if causal:
             window = ring_layout.causal_window(length, size, rank, source, layout)
@@ -100,21 +107,16 @@ class _Block:
             self.rows, self.cols, q_index, k_index = window
             if int(k_index.max()) > int(q_index.min()):  # not wholly in the past: the element-wise rule
                 self.mask = (k_index[None, :] <= q_index[:, None]).to(device)[None, None]
+                # the same tokens on both sides (the diagonal block, in both layouts): the lower triangle
+                self.kind = "causal" if torch.equal(q_index, k_index) else "masked"
         if segments is not None:
             q_seg, k_seg = segments[rank][:, self.rows], segments[source][:, self.cols]
             same = (q_seg[:, :, None] == k_seg[:, None, :])[:, None]  # [B, 1, Sq, Sk]
             self.mask = same if self.mask is None else self.mask & same
+            self.kind = "masked"
 
     def scores(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-        s = torch.matmul(q, k.transpose(-1, -2)) * scale
-        return s if self.mask is None else s.masked_fill(~self.mask, float("-inf"))
-
-
-def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    if groups == 1:
-        return x
-    b, h, s, d = x.shape
-    return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
+        return ring_blocks.masked_scores(q, k, scale, self.mask)
 
 
 def _sum_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -124,22 +126,16 @@ def _sum_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.view(b, h // groups, groups, s, d).sum(2)
 
 
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """``lse`` with ``-inf`` (a row that has seen no visible key yet) replaced by 0, so ``exp(x - lse)`` is 0, not nan."""
-    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None,
-                group: Any, causal: bool, layout: str, scale: float) -> torch.Tensor:
+                group: Any, causal: bool, layout: str, scale: float,
+                kernel: ring_blocks.BlockAttention | None) -> torch.Tensor:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         acc = torch.promote_types(q.dtype, torch.float32)
-        groups = q.shape[1] // k.shape[1]
         length = q.shape[2] * size
-        qf = q.to(acc)
-        out = torch.zeros(qf.shape, dtype=acc, device=q.device)
-        lse = torch.full(qf.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         for step in range(size):
             requests: list[Any] = []
@@ -148,13 +144,12 @@ class _RingAttention(torch.autograd.Function):
             block = _Block(length, size, rank, (rank - step) % size, causal, layout, segments, q.device)
             if not block.skip:
                 rows = (slice(None), slice(None), block.rows)
-                kb, vb = (_repeat_heads(t[:, :, block.cols].to(acc), groups) for t in kv.unbind(0))
-                s = block.scores(qf[rows], kb, scale)
-                block_lse = torch.logsumexp(s, dim=-1)
-                block_out = torch.matmul(torch.exp(s - _finite(block_lse)[..., None]), vb)
+                kb, vb = (t[:, :, block.cols] for t in kv.unbind(0))
+                block_out, block_lse = ring_blocks.block_forward(q[rows], kb, vb, scale=scale, kind=block.kind,
+                                                                 mask=block.mask, kernel=kernel, dtype=acc)
                 old_lse = lse[rows]
                 new_lse = torch.logaddexp(old_lse, block_lse)
-                base = _finite(new_lse)
+                base = ring_blocks.finite(new_lse)
                 out[rows] = (out[rows] * torch.exp(old_lse - base)[..., None]
                              + block_out * torch.exp(block_lse - base)[..., None])
                 lse[rows] = new_lse
@@ -175,7 +170,7 @@ class _RingAttention(torch.autograd.Function):
         length = q.shape[2] * size
         qf, dout = q.to(acc), grad_out.to(acc)
         delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O): the softmax backward's correction
-        lse = _finite(lse)[..., None]
+        lse = ring_blocks.finite(lse)[..., None]
         dq = torch.zeros_like(qf)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)  # travels with its key/value block
@@ -186,7 +181,7 @@ class _RingAttention(torch.autograd.Function):
             block = _Block(length, size, rank, (rank - step) % size, ctx.causal, ctx.layout, segments, q.device)
             if not block.skip:
                 rows = (slice(None), slice(None), block.rows)
-                kb, vb = (_repeat_heads(t[:, :, block.cols].to(acc), groups) for t in kv.unbind(0))
+                kb, vb = (ring_blocks.repeat_heads(t[:, :, block.cols].to(acc), groups) for t in kv.unbind(0))
                 p = torch.exp(block.scores(qf[rows], kb, scale) - lse[rows])
                 ds = p * (torch.matmul(dout[rows], vb.transpose(-1, -2)) - delta[rows])
                 dq[rows] += torch.matmul(ds, kb) * scale
@@ -200,7 +195,7 @@ class _RingAttention(torch.autograd.Function):
             dkv, dkv_requests = _start_shift(dkv, group) if size > 1 else (dkv, [])
             _wait(dkv_requests)
         dk, dv = dkv.unbind(0)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 # ====================================================================== transformers attention implementation
@@ -280,7 +275,7 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     positions = kwargs.get("position_ids")
     segments = None if positions is None else _SEGMENT_CACHE.lookup(positions, _RING.group, _RING.layout)
     out = ring_attention(query, key, value, group=_RING.group, causal=bool(causal), layout=_RING.layout,
-                         segment_ids=segments, scale=scaling)
+                         segment_ids=segments, scale=scaling, block_attention=ring_blocks.block_attention_of(module))
     return out.transpose(1, 2).contiguous(), None
 
 

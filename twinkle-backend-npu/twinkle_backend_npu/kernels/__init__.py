@@ -3,15 +3,16 @@
 They apply on the ``npu`` accelerator only, to Qwen2 / Qwen2.5 (model type ``qwen2``), Qwen3, Qwen3-MoE, Llama and
 Mistral; a recipe turns one off with ``model.options.kernels: {npu_swiglu: false}`` (all: ``kernels: false``).
 
-==========================  ===============================================  =====================================
-kernel                      replaces                                         torch_npu op
-==========================  ===============================================  =====================================
-``npu_rms_norm``            ``<Family>RMSNorm.forward``                      ``npu_rms_norm``
-``npu_rotary_mul``          ``modeling_<family>.apply_rotary_pos_emb``       ``npu_rotary_mul``
-``npu_swiglu``              ``<Family>MLP.forward``                          ``npu_swiglu``
-``npu_fusion_attention``    the network's attention implementation           ``npu_fusion_attention`` (TND)
-``npu_fused_adamw``         ``set_optimizer("AdamW")``                       ``torch_npu.optim.NpuFusedAdamW``
-==========================  ===============================================  =====================================
+==============================  ===============================================  =====================================
+kernel                          replaces                                         torch_npu op
+==============================  ===============================================  =====================================
+``npu_rms_norm``                ``<Family>RMSNorm.forward``                      ``npu_rms_norm``
+``npu_rotary_mul``              ``modeling_<family>.apply_rotary_pos_emb``       ``npu_rotary_mul``
+``npu_swiglu``                  ``<Family>MLP.forward``                          ``npu_swiglu``
+``npu_fusion_attention``        the network's attention implementation           ``npu_fusion_attention`` (TND)
+``npu_ring_block_attention``    ring attention's full and causal blocks          ``npu_fusion_attention`` (BNSD)
+``npu_fused_adamw``             ``set_optimizer("AdamW")``                       ``torch_npu.optim.NpuFusedAdamW``
+==============================  ===============================================  =====================================
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def kernel_records() -> Iterator[KernelRecord]:
                        accelerators=ACCELERATORS, replaces=_targets("module", "{prefix}MLP"))
     yield KernelRecord("npu_fusion_attention", f"{_PKG}.attention:apply",
                        "attention as npu_fusion_attention (TND, packed sequences)", accelerators=ACCELERATORS,
+                       replaces=("model",))
+    yield KernelRecord("npu_ring_block_attention", f"{_PKG}.ring_block:apply",
+                       "ring attention's full and causal blocks as npu_fusion_attention", accelerators=ACCELERATORS,
                        replaces=("model",))
     yield KernelRecord("npu_fused_adamw", "torch_npu.optim:NpuFusedAdamW", "set_optimizer('AdamW') as NpuFusedAdamW",
                        accelerators=ACCELERATORS, replaces=("optimizer:AdamW",))

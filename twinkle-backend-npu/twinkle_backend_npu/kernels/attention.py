@@ -16,11 +16,12 @@ from typing import Any
 NAME = "npu_fusion_attention"
 #: model types whose decoder attention is plain causal self-attention over (B, heads, S, head_dim)
 MODEL_TYPES = frozenset({"qwen2", "qwen3", "qwen3_moe", "llama", "mistral"})
-_CAUSAL_SPARSE_MODE = 3  # bottom-right aligned causal; equals top-left when query and key lengths match
+CAUSAL_SPARSE_MODE = 3  # bottom-right aligned causal; equals top-left when query and key lengths match
 _masks: dict[Any, Any] = {}
 
 
-def _compressed_causal_mask(device: Any) -> Any:
+def compressed_causal_mask(device: Any) -> Any:
+    """The 2048x2048 upper-triangular bool mask (``True`` = masked) that sparse_mode 2 and 3 take, one per device."""
     import torch
 
     if device not in _masks:
@@ -94,9 +95,9 @@ def attention_forward(module: Any, query: Any, key: Any, value: Any, attention_m
 
     out = torch_npu.npu_fusion_attention(
         tokens(query, q_index), tokens(key, kv_index), tokens(value, kv_index), heads, "TND",
-        atten_mask=_compressed_causal_mask(query.device), scale=scaling if scaling is not None else head_dim ** -0.5,
+        atten_mask=compressed_causal_mask(query.device), scale=scaling if scaling is not None else head_dim ** -0.5,
         keep_prob=1.0 - dropout, actual_seq_qlen=q_ends, actual_seq_kvlen=kv_ends,
-        sparse_mode=_CAUSAL_SPARSE_MODE)[0]
+        sparse_mode=CAUSAL_SPARSE_MODE)[0]
     full = out.new_zeros(batch * q_len, heads, head_dim).index_copy(0, q_index, out)  # padding rows stay zero
     return full.view(batch, q_len, heads, head_dim), None
 
@@ -112,4 +113,10 @@ def apply(network: Any) -> int:
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, flash_attention_mask)
     network.set_attn_implementation(NAME)
-    return sum(1 for m in network.modules() if hasattr(m, "is_causal") and hasattr(m, "num_key_value_groups"))
+    return len(attention_layers(network))
+
+
+def attention_layers(network: Any) -> list[Any]:
+    """The modules of ``network`` that hand query/key/value to transformers' attention functions (its decoder
+    self-attention layers: they carry ``is_causal`` and ``num_key_value_groups``)."""
+    return [m for m in network.modules() if hasattr(m, "is_causal") and hasattr(m, "num_key_value_groups")]
