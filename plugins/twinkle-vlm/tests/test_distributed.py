@@ -64,3 +64,39 @@ def test_deepspeed_zero_runs_and_matches(runs, stage):
     # ZeRO keeps fp32 master weights and reduces gradients in fp32 buckets: the same bound as DDP
     assert run["losses"] == pytest.approx(single["losses"], rel=RTOL), (run["losses"], single["losses"])
     print(f"zero{stage}: losses {run['losses']} vs single {single['losses']}")
+
+
+@pytest.fixture(scope="module")
+def video_runs(tmp_path_factory, tiny_vlm_dir) -> Runs:
+    """Four chats that show a clip (a folder of 4 frames of 56 x 56 pixels: 2 temporal patches), each answered with
+    the colour its clip ends on."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("vlm-video-parity")
+    colours = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "white": (250, 250, 250)}
+    rows = []
+    for i, (last, rgb) in enumerate(colours.items()):
+        frames = root / f"clip{i}"
+        frames.mkdir()
+        first = list(colours.values())[(i + 1) % len(colours)]
+        for k, colour in enumerate([first, first, rgb, rgb]):
+            Image.new("RGB", (56, 56), colour).save(frames / f"frame_{k:03d}.png")
+        rows.append({"messages": [
+            {"role": "user", "content": [{"type": "video", "video": str(frames)},
+                                         {"type": "text", "text": "Which colour comes last?"}]},
+            {"role": "assistant", "content": last}]})
+    return Runs(root, tiny_vlm_dir("qwen2_5_vl"), rows)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(660)
+@pytest.mark.parametrize("strategy", ["ddp", "native_fsdp"])
+def test_two_ranks_train_video_rows_as_one_process(video_runs, strategy):
+    """Video rows (``pixel_values_videos``, ``video_grid_thw``, temporal 3-D positions) on 2 ranks: the same bound."""
+    single = video_runs.get("single", 1)
+    assert single["losses"][-1] < single["losses"][0], single
+    assert {"pixel_values_videos", "video_grid_thw"} <= set(single["vision_inputs"]), single
+    run = video_runs.get(strategy, 2, "--strategy", strategy)
+    assert run["world_size"] == 2 and run["dp_size"] == 2, run
+    assert run["losses"] == pytest.approx(single["losses"], rel=RTOL), (run["losses"], single["losses"])
+    print(f"{strategy} video: losses {run['losses']} vs single {single['losses']}")

@@ -110,7 +110,9 @@ def train_chats(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[st
         model.forward_backward(inputs=batch, adapter_name="default")
         model.clip_grad_and_step(None, adapter_name="default")
         losses.append(float(model.calculate_metric(adapter_name="default")["loss"]))
-    return {"model": model, "losses": losses, "dp_size": size}
+    # what the model saw besides token ids (pictures: pixel_values ...; clips: pixel_values_videos ...)
+    vision = sorted(key for key in task.model_inputs if key in batch)
+    return {"model": model, "losses": losses, "dp_size": size, "vision_inputs": vision}
 
 
 def described(result: dict[str, Any]) -> dict[str, Any]:
