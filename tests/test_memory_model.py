@@ -8,6 +8,7 @@ import pytest
 from twinkle_core.errors import ConfigError
 from twinkle_core.memory_model import GIB, ModelShape, estimate_memory, recipe_estimate_lines
 from twinkle_core.mesh import DeviceMesh
+from twinkle_core.strategy import Strategy
 
 #: hidden 8, 2 heads of 4, 1 key/value head, MLP 16, vocabulary 10, one layer
 SMALL = ModelShape(hidden=8, layers=1, heads=2, kv_heads=1, vocab=10, intermediate=16)
@@ -35,7 +36,7 @@ def test_terms_match_the_hand_computed_numbers():
 
 
 def test_sharding_and_vocabulary_parallel_loss_divide_their_terms():
-    fsdp = estimate_memory(SMALL, rows=1, seq_len=16, mesh=DeviceMesh(fsdp=4), strategy="native_fsdp")
+    fsdp = estimate_memory(SMALL, rows=1, seq_len=16, mesh=DeviceMesh(fsdp=4), state_shards=4)
     assert fsdp.parameters == 760 * 4 // 4
     tp = estimate_memory(SMALL, rows=1, seq_len=16, mesh=DeviceMesh(tp=2), vocab_parallel_loss=True)
     assert tp.logits == 16 * 10 * 8 // 2 and tp.parameters == 760 * 4 // 2
@@ -105,12 +106,12 @@ def test_dry_run_lines_come_from_the_recipe(tmp_path):
                               attn_implementation=None, gradient_checkpointing=True),
         data=SimpleNamespace(max_length=131072, batch_size=1), mesh={"cp": 8}, precision="bf16",
         strategy=SimpleNamespace(options={}))
-    lines = recipe_estimate_lines(recipe, "ulysses", 8)
+    lines = recipe_estimate_lines(recipe, Strategy, 8)
     assert lines[0].startswith("memory model (cp=8; 1 x 131072 tokens") and "16384 tokens per rank" in lines[0]
     total = estimate_memory(ModelShape.from_config(QWEN_7B), rows=1, seq_len=131072, mesh=DeviceMesh(cp=8),
                             lora_rank=8, gradient_checkpointing=True).total
     assert f"total {total / GIB:.2f} GiB" in lines[1]
     recipe.data.max_length = None
-    assert "set data.max_length" in recipe_estimate_lines(recipe, "ulysses", 8)[0]
+    assert "set data.max_length" in recipe_estimate_lines(recipe, Strategy, 8)[0]
     recipe.data.max_length, recipe.model.config = 1024, {"model_type": "bert", "hidden_size": 8}
-    assert "not available for this model" in recipe_estimate_lines(recipe, "ulysses", 8)[0]
+    assert "not available for this model" in recipe_estimate_lines(recipe, Strategy, 8)[0]

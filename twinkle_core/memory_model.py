@@ -11,8 +11,10 @@ Assumptions (each term):
 * **Parameters** (:meth:`ModelShape.parameter_count`): embedding ``V h``, an LM head ``V h`` unless tied, per
   layer the q/k/v/o projections (``2 h H d + 2 h Hkv d``), a gated MLP (``3 h I``: gate, up, down) and two
   norms; biases are ignored. Stored in ``param_bytes`` (4: Twinkle keeps fp32 weights and autocasts bf16/fp16
-  unless the model is loaded in a 2-byte dtype), divided by ``tp * pp`` and, for a sharding strategy (FSDP,
-  DeepSpeed ZeRO), by the data-parallel ranks too (:func:`state_shards`).
+  unless the model is loaded in a 2-byte dtype), divided by ``tp * pp`` and, for a strategy that shards the model's
+  state (FSDP, DeepSpeed ZeRO; an upper bound for ZeRO-1/2, which keep whole parameters), by the data-parallel ranks
+  too: ``state_shards``, what :meth:`Strategy.model_state_shards <twinkle_core.strategy.Strategy.model_state_shards>`
+  says (by default ``tp * pp``, or with an ``fsdp`` mesh dimension ``tp * pp * dp * fsdp``).
 * **Gradients** in the parameter dtype, **optimizer states** two fp32 moments (AdamW: 8 bytes) per *trainable*
   parameter, sharded like the parameters. A LoRA adapter trains ``r (in + out)`` per adapted linear layer (the 7
   projections of every layer); the frozen base has no gradient and no optimizer state.
@@ -51,10 +53,6 @@ from twinkle_core.mesh import DeviceMesh
 GIB = 1024 ** 3
 #: bytes per element of the activations for each precision mode (autocast dtype; ``no`` is fp32)
 ACTIVATION_BYTES = {"no": 4, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
-#: strategies that shard parameters, gradients and optimizer states over the data-parallel ranks
-#: (the registered names of the HF backend's FSDP2, Accelerate-FSDP and ZeRO strategies; an upper bound for ZeRO-1/2,
-#: which keep whole parameters; any strategy given a ``fsdp`` mesh dimension counts as sharding too)
-SHARDING_STRATEGIES = ("native_fsdp", "accelerate", "deepspeed")
 #: linear layers a LoRA adapter adapts in every decoder layer when it targets all of them
 LORA_LINEARS_PER_LAYER = 7
 #: fp32 bytes per trainable parameter of AdamW's two moments
@@ -142,27 +140,25 @@ def readable(size: float) -> str:
     return f"{size / GIB:.2f} GiB" if size >= GIB else f"{size / 2 ** 20:.2f} MiB"
 
 
-def state_shards(strategy: str | None, mesh: DeviceMesh) -> int:
-    """Over how many ranks parameters, gradients and optimizer states are split."""
-    model_parallel = mesh.tp * mesh.pp
-    if strategy in SHARDING_STRATEGIES or mesh.fsdp > 1:
-        return model_parallel * mesh.data_parallel_size
-    return model_parallel
-
-
 def estimate_memory(shape: ModelShape, *, rows: int, seq_len: int, mesh: DeviceMesh | None = None,
-                    precision: str = "bf16", strategy: str | None = None, lora_rank: int | None = None,
+                    precision: str = "bf16", state_shards: int | None = None, lora_rank: int | None = None,
                     gradient_checkpointing: bool = False, flash: bool = True, fused_ring: bool = False,
                     vocab_parallel_loss: bool = False, param_bytes: int = 4) -> MemoryEstimate:
     """Per-rank bytes of a training step on ``rows`` sequences of ``seq_len`` tokens per rank group (module doc).
 
-    ``lora_rank``: a LoRA adapter of that rank on every linear layer (``None``: full fine-tuning)."""
+    ``lora_rank``: a LoRA adapter of that rank on every linear layer (``None``: full fine-tuning). ``state_shards``:
+    over how many ranks each parameter's state is split (the strategy's ``model_state_shards``; default: that of a
+    strategy that shards nothing itself)."""
     mesh = mesh or DeviceMesh()
     if precision not in ACTIVATION_BYTES:
         raise ConfigError(f"unknown precision {precision!r} for the memory model; one of {', '.join(ACTIVATION_BYTES)}")
     split = mesh.sp * mesh.cp
     tokens = rows * math.ceil(seq_len / split)
-    shards = state_shards(strategy, mesh)
+    if state_shards is None:  # a strategy that shards nothing itself (sharding only through an fsdp mesh dimension)
+        from twinkle_core.strategy import Strategy
+
+        state_shards = Strategy.model_state_shards({}, mesh)
+    shards = state_shards
     total_params = shape.parameter_count()
     trainable = total_params if lora_rank is None else shape.lora_parameter_count(lora_rank)
     act = ACTIVATION_BYTES[precision]
@@ -203,9 +199,11 @@ def recipe_model_config(recipe: Any) -> Mapping[str, Any] | None:
         return json.load(fh)
 
 
-def recipe_estimate_lines(recipe: Any, strategy: str, world_size: int | None) -> list[str]:
+def recipe_estimate_lines(recipe: Any, strategy: Any, world_size: int | None) -> list[str]:
     """What ``twinkle train --dry-run`` prints: the per-rank estimate for the recipe's model, batch and mesh, or
-    the one thing it needs that the recipe does not say."""
+    the one thing it needs that the recipe does not say. ``strategy``: the recipe's strategy class, which says over
+    how many ranks it splits the model's state (:meth:`~twinkle_core.strategy.Strategy.model_state_shards`) and
+    whether the loss sees vocabulary shards (:meth:`~twinkle_core.strategy.Strategy.splits_vocabulary`)."""
     config = recipe_model_config(recipe)
     if config is None:
         return ["memory model: needs the model's config (model.config, or a local model_id directory)"]
@@ -218,10 +216,11 @@ def recipe_estimate_lines(recipe: Any, strategy: str, world_size: int | None) ->
     try:
         estimate = estimate_memory(
             ModelShape.from_config(config), rows=recipe.data.batch_size, seq_len=recipe.data.max_length, mesh=mesh,
-            precision=recipe.precision, strategy=strategy,
+            precision=recipe.precision,
+            state_shards=strategy.model_state_shards(dict(recipe.strategy.options), mesh),
             lora_rank=int(adapter.get("r", 8)) if adapter else None,
             gradient_checkpointing=recipe.model.gradient_checkpointing, flash=attention != "eager",
-            vocab_parallel_loss=bool(recipe.strategy.options.get("vocab_parallel_loss", strategy == "megatron")))
+            vocab_parallel_loss=strategy.splits_vocabulary(dict(recipe.strategy.options)))
     except ConfigError as exc:  # a model the estimate does not describe must not fail a valid recipe's dry run
         return [f"memory model: not available for this model ({exc})"]
     shown = " x ".join(f"{dim}={size}" for dim, size in mesh.to_dict().items() if size > 1) or "one rank"

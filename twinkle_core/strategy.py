@@ -84,6 +84,26 @@ class Strategy(ABC):
     #: whether a training checkpoint written by this strategy resumes on another number of processes (its
     #: optimizer state is saved unsharded or resharded on load, as DCP and Megatron's dist_checkpointing do)
     reshards_checkpoints: ClassVar[bool] = False
+    #: whether parameters, gradients and optimizer states are split over the data-parallel ranks (FSDP, ZeRO)
+    #: rather than copied on each: what the memory model (``twinkle train --dry-run``) divides them by. A strategy
+    #: whose answer depends on its options overrides :meth:`model_state_shards`.
+    shards_state: ClassVar[bool] = False
+
+    @classmethod
+    def model_state_shards(cls, options: dict[str, Any], mesh: DeviceMesh) -> int:
+        """Over how many ranks this strategy with ``options`` on ``mesh`` splits each parameter with its gradient and
+        optimizer state: the tensor and pipeline ranks, times the data-parallel ranks when it shards the state
+        (:attr:`shards_state`, or any mesh with an ``fsdp`` dimension). Example: the HF backend's ``ulysses``
+        strategy with ``data_parallel: fsdp`` shards over every rank, sequence ranks included."""
+        sharded = cls.shards_state or mesh.fsdp > 1
+        return mesh.tp * mesh.pp * (mesh.data_parallel_size if sharded else 1)
+
+    @classmethod
+    def splits_vocabulary(cls, options: dict[str, Any]) -> bool:
+        """Whether the loss sees only each tensor-parallel rank's vocabulary shard of the logits with ``options``
+        (the memory model divides the logits by ``tp`` then). Example: Megatron's, unless
+        ``vocab_parallel_loss: false``."""
+        return False
 
     def __init__(self, mesh: DeviceMesh | None = None, *, precision: Precision | None = None,
                  **options: Any) -> None:

@@ -122,3 +122,13 @@ def test_pipeline_stages_exchange_a_whole_tensor_parallel_share_of_the_padded_se
                                 decoder_seq_length=None, config=SimpleNamespace(sequence_parallel=True, hidden_size=hidden),
                                 tp_group=group, cp_group=SimpleNamespace(size=lambda: 1))
     assert sent == (12 // tp, 4, hidden)  # what the embedding's scatter gives each TP rank of a micro-batch
+
+
+def test_the_megatron_strategy_splits_the_vocabulary_for_the_memory_model_unless_told_not_to():
+    from twinkle_backend_megatron.strategy import MegatronStrategy
+
+    from twinkle_core.mesh import DeviceMesh
+
+    assert MegatronStrategy.splits_vocabulary({}) is True
+    assert MegatronStrategy.splits_vocabulary({"vocab_parallel_loss": False}) is False
+    assert MegatronStrategy.model_state_shards({}, DeviceMesh(tp=2, dp=2)) == 2  # TP splits, DP copies

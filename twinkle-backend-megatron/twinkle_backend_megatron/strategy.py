@@ -109,6 +109,10 @@ class MegatronStrategy(Strategy):
     #: parallelism inside tensor-parallel regions
     spec_options: ClassVar[frozenset[str]] = frozenset({"sequence_parallel"})
 
+    @classmethod
+    def splits_vocabulary(cls, options: dict[str, Any]) -> bool:
+        return bool(options.get("vocab_parallel_loss", True))
+
     def __init__(self, mesh: DeviceMesh | None = None, *, precision: Precision | None = None,
                  num_microbatches: int | None = None, batch_p2p_comm: bool | None = None,
                  sequence_parallel: bool = False, distributed_optimizer: bool = False,

@@ -194,8 +194,10 @@ def print_dry_run(recipe: Any, strategy: str, args: argparse.Namespace) -> None:
     chosen = "" if recipe.strategy.name else " (the default for this job)"
     print(f"# recipe OK; would train in {where} with strategy {strategy!r}{chosen}", file=sys.stderr)
     from twinkle_core.memory_model import recipe_estimate_lines
+    from twinkle_core.plugins import get_plugins
 
-    for line in recipe_estimate_lines(recipe, strategy, args.world_size):  # why a long context needs cp / sp
+    strategy_class = get_plugins().load("strategy", strategy)  # does it shard the model's state, split the vocab
+    for line in recipe_estimate_lines(recipe, strategy_class, args.world_size):  # why a long context needs cp / sp
         print(f"# {line}", file=sys.stderr)
 
 

@@ -129,6 +129,12 @@ class SequenceParallelStrategy(Strategy):
     averages_gradients = True
     mesh_dimensions: ClassVar[tuple[str, ...]] = ("dp", "fsdp", "cp", "sp")
 
+    @classmethod
+    def model_state_shards(cls, options: dict[str, Any], mesh: DeviceMesh) -> int:
+        # FSDP2 for the data dimension shards over every rank, sequence ranks included; DDP keeps whole copies
+        kind = data_parallel_strategies.data_parallel_kind(options.get("data_parallel"), mesh)
+        return mesh.world_size if kind == "fsdp" else 1
+
     def __init__(self, mesh: DeviceMesh | None = None, *, precision: Precision | None = None,
                  inner_attn_implementation: str | None = None, pad_token_id: int = 0,
                  ignore_index: int = IGNORE_INDEX, gather_eval_outputs: bool = True,

@@ -75,6 +75,7 @@ if TYPE_CHECKING:
 
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
+    shards_state = True
     averages_gradients = True  # ZeRO's reduce-scatter / all-reduce averages over the data-parallel ranks
     mesh_dimensions: ClassVar[tuple[str, ...]] = ("dp", "fsdp")  # ZeRO shards over all dp * fsdp ranks
 

@@ -60,6 +60,7 @@ def _is_fsdp(module: torch.nn.Module) -> bool:
 
 class NativeFSDPStrategy(Strategy):
     name = "native_fsdp"
+    shards_state = True
     averages_gradients = True
     #: the DCP optimizer state and the full exported weights load at any number of ranks (``--resume`` at
     #: another world size, see :mod:`twinkle_core.train.resharding`)
