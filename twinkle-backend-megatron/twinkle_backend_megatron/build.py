@@ -23,6 +23,9 @@ from twinkle_core.sources import resolve
 #: the network of each task ``model_kind`` MegatronModel builds (its ``supported_model_kinds``), see :mod:`.kinds`
 NETWORKS = {kind.name: kind for kind in (TextNetwork, VisionLanguageNetwork)}
 
+#: MegatronModel's ``core_attention`` choices (see :class:`NetworkOptions`)
+CORE_ATTENTIONS = ("sdpa", "megatron")
+
 
 @dataclass(frozen=True)
 class NetworkOptions:
@@ -34,11 +37,14 @@ class NetworkOptions:
     trust_remote_code: bool
     recompute: str | None
     transformer_config: dict[str, Any]
+    #: "sdpa": torch's fused attention wherever it is exact (:mod:`.sdpa_attention`), "megatron": megatron-core's
+    #: ``DotProductAttention`` everywhere
+    core_attention: str = "sdpa"
 
     @classmethod
     def checked(cls, *, model_id: str | None, config: Any, revision: str | None, trust_remote_code: bool | None,
                 recompute: str | None, transformer_config: dict[str, Any] | None, attn_implementation: str | None,
-                gradient_checkpointing: bool, precision: Any) -> NetworkOptions:
+                gradient_checkpointing: bool, precision: Any, core_attention: str = "sdpa") -> NetworkOptions:
         """The options, or the ``ConfigError`` / ``UnsupportedHardwareError`` that says what to change."""
         if model_id is None and config is None:
             raise ConfigError("MegatronModel needs model_id= (a path, hf:// or ms:// id) or config= "
@@ -52,11 +58,13 @@ class NetworkOptions:
         if recompute not in recompute_settings.SETTINGS:
             raise ConfigError(f"recompute must be one of {[k for k in recompute_settings.SETTINGS if k]} or None, "
                               f"got {recompute!r}")
+        if core_attention not in CORE_ATTENTIONS:
+            raise ConfigError(f"core_attention must be one of {CORE_ATTENTIONS}, got {core_attention!r}")
         if getattr(precision, "name", precision) == "fp8":
             raise UnsupportedHardwareError("precision 'fp8' on the Megatron backend needs Transformer Engine layers, "
                                            "which this release does not build (local layer spec); use 'bf16'")
         return cls(model_id, config, revision, resolve.trust_remote_code(trust_remote_code), recompute,
-                   dict(transformer_config or {}))
+                   dict(transformer_config or {}), core_attention)
 
     def hf_config(self, model_path: str | None) -> Any:
         """The Hugging Face config: the checkpoint's, ``config=`` on its own, or ``config=`` over the checkpoint's."""
@@ -128,7 +136,7 @@ def build_network(options: NetworkOptions, *, strategy: Any, device_type: str, s
     # them); without, every rank gets the gathered full vocabulary
     parallel_output = strategy.vocab_shard(spec.vocab_size, spec.padded_vocab_size) is not None
     language = _gpt_chunks(transformer_config, language_config, spec, strategy.mesh.vpp, parallel_output,
-                           position_embedding)
+                           position_embedding, sdpa=options.core_attention == "sdpa")
     padding.block_padding_gradient(language, getattr(language_config, "pad_token_id", None))
     module = kind.assemble(language, hf_config)
     weights = kind.weights(module, spec, strategy.mesh)
@@ -188,14 +196,20 @@ def _transformer_config(options: NetworkOptions, hf_config: Any, spec: convert.M
 
 
 def _gpt_chunks(transformer_config: Any, hf_config: Any, spec: convert.ModelSpec, vpp: int,
-                parallel_output: bool, position_embedding: str) -> torch.nn.Module:
-    """One ``GPTModel`` per virtual pipeline stage of this rank (a ``ModuleList`` when ``vpp > 1``)."""
+                parallel_output: bool, position_embedding: str, sdpa: bool) -> torch.nn.Module:
+    """One ``GPTModel`` per virtual pipeline stage of this rank (a ``ModuleList`` when ``vpp > 1``); with ``sdpa``
+    its core attention is torch's fused SDPA where that is exact (:mod:`.sdpa_attention`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False,
                                           qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    if sdpa:
+        from twinkle_backend_megatron import sdpa_attention
+
+        if sdpa_attention.sdpa_is_exact(transformer_config):
+            layer_spec = sdpa_attention.with_sdpa_attention(layer_spec)
     chunks = []
     for stage in range(vpp):
         vp_stage = stage if vpp > 1 else None

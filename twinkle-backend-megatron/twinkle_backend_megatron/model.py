@@ -78,11 +78,12 @@ class MegatronModel(TorchTwinkleModel):
                  trust_remote_code: bool | None = None, recompute: str | None = None,
                  transformer_config: dict[str, Any] | None = None, strategy: Any = "megatron",
                  attn_implementation: str | None = None, gradient_checkpointing: bool = False,
-                 **kwargs: Any) -> None:
+                 core_attention: str = "sdpa", **kwargs: Any) -> None:
         self.network_options = NetworkOptions.checked(
             model_id=model_id, config=config, revision=revision, trust_remote_code=trust_remote_code,
             recompute=recompute, transformer_config=transformer_config, attn_implementation=attn_implementation,
-            gradient_checkpointing=gradient_checkpointing, precision=kwargs.get("precision", "no"))
+            gradient_checkpointing=gradient_checkpointing, precision=kwargs.get("precision", "no"),
+            core_attention=core_attention)
         self.model_id, self.recompute = model_id, self.network_options.recompute
         self.vocab_shard = None  # this rank's vocabulary slice of the logits under the vocabulary-parallel loss
         self._gather_logits = False  # forward / forward_only hand their callers the full vocabulary

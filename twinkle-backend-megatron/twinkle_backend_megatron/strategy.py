@@ -193,6 +193,10 @@ class MegatronStrategy(Strategy):
 
         return ps.get_data_parallel_group()
 
+    def global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        # with one data-parallel rank (pure TP / PP) the sum is the value: no hand-off to the collective's thread
+        return value if self.dp_size == 1 else super().global_sum(value)
+
     def vocab_shard(self, vocab_size: int, padded_vocab_size: int) -> Any:
         """This rank's :class:`~twinkle_core.loss.vocab_parallel.VocabShard` of a ``padded_vocab_size`` LM head,
         or ``None`` when the losses get the whole (gathered) logits: ``mesh.tp == 1`` or the option
@@ -306,9 +310,7 @@ class MegatronStrategy(Strategy):
                 chunk.scale_gradients(factor)
             return
         self._sum_replicated_gradients(handle.parameters)
-        for p in handle.parameters:
-            if p.grad is not None:
-                p.grad.mul_(factor)
+        _scale_grads(handle.parameters, factor)
 
     def _sum_replicated_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
         """Sum each gradient over the ranks holding a copy of its weight (data, expert-data, SP, tied embedding)."""
@@ -345,9 +347,7 @@ class MegatronStrategy(Strategy):
         if math.isfinite(max_norm) and math.isfinite(float(norm)):
             coefficient = max_norm / (float(norm) + 1e-6)
             if coefficient < 1.0:
-                for p in parameters:
-                    if p.grad is not None:
-                        p.grad.mul_(coefficient)
+                _scale_grads(parameters, coefficient)
         return norm
 
     def grad_norm(self, parameters: list[torch.nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
@@ -360,17 +360,19 @@ class MegatronStrategy(Strategy):
         device = self.accelerator.device() if self.accelerator is not None else torch.device("cpu")
         parts = {True: torch.zeros((), dtype=torch.float64, device=device),
                  False: torch.zeros((), dtype=torch.float64, device=device)}
+        grads: dict[bool, list[torch.Tensor]] = {True: [], False: []}
         for p in parameters:
             if p.grad is None or getattr(p, "shared", False):  # the tied output copy is counted on stage 0
                 continue
             if not param_is_not_tensor_parallel_duplicate(p):
                 continue
-            expert = not getattr(p, "allreduce", True)
-            g = p.grad.detach().double()
-            if norm_type == math.inf:
-                parts[expert] = torch.maximum(parts[expert], g.abs().max())
-            else:
-                parts[expert] += g.abs().pow(norm_type).sum() if norm_type != 2.0 else g.pow(2).sum()
+            grads[not getattr(p, "allreduce", True)].append(p.grad.detach())
+        for expert, local in grads.items():
+            if not local:
+                continue
+            # one multi-tensor kernel per group, accumulating in float64 without a float64 copy of every gradient
+            norms = torch.stack(torch._foreach_norm(local, norm_type, dtype=torch.float64))
+            parts[expert] = norms.max() if norm_type == math.inf else norms.pow(norm_type).sum()
         op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
         dist.all_reduce(parts[False], op=op, group=ps.get_model_parallel_group())
         if any(not getattr(p, "allreduce", True) for p in parameters):
@@ -445,6 +447,13 @@ class MegatronStrategy(Strategy):
                               f"optimizer resume with the same mesh (full fine-tuning checkpoints without "
                               f"distributed_optimizer reshard)")
         handle.optimizer.load_state_dict(saved["state"])
+
+
+def _scale_grads(parameters: list[torch.nn.Parameter], factor: float) -> None:
+    """Multiply every gradient by ``factor`` (one multi-tensor kernel instead of one op per parameter)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
 
 
 def _all_reduce_grads(parameters: list[torch.nn.Parameter], group: Any) -> None:
