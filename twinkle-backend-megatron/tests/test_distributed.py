@@ -226,6 +226,7 @@ def test_tensor_and_pipeline_parallel_on_four_ranks(weights, tmp_path):
 
 
 @pytest.mark.parity
+@pytest.mark.slow  # 4 processes on the 2 cores: the nox slow session runs it (~40 s); the p2p shape check stays fast
 def test_sequence_parallel_with_pipeline_parallel_on_four_ranks(weights, tmp_path):
     """TP=2 x SP x PP=2: the stages exchange ``[padded length / tp, rows, hidden]`` activations (megatron-core's
     schedules divide the length they are given by ``tp``, rounding down: ``get_tensor_shapes`` for 1F1B, its own
