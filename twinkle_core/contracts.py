@@ -97,6 +97,12 @@ SEAMS: tuple[Seam, ...] = (
          '`supported_models = ("MegatronModel",)`'),
     Seam("build", "Strategy", "spec_options", "the model constructor", "when the spec's aliases are folded",
          '`spec_options = frozenset({"sequence_parallel"})`'),
+    Seam("build", "Strategy", "shards_state", "`Strategy.model_state_shards`", "when the memory model estimates "
+         "a recipe (`twinkle train --dry-run`)", "`shards_state = True` (FSDP2, ZeRO)"),
+    Seam("build", "Strategy", "model_state_shards", "the memory model (`twinkle train --dry-run`)", "before launch: "
+         "what parameters, gradients and optimizer states are divided by", "`return mesh.world_size`"),
+    Seam("build", "Strategy", "splits_vocabulary", "the memory model (`twinkle train --dry-run`)", "before launch: "
+         "whether the logits are divided by tp", '`return options.get("vocab_parallel_loss", True)`'),
     Seam("build", "Strategy", "bind_precision", "the model constructor", "when a strategy object was passed "
          "without `precision=`", "`strategy.bind_precision(model.precision)`"),
     Seam("build", "Strategy", "check_world_size", "`setup` and recipe validation (twinkle train, --dry-run too)",
