@@ -73,10 +73,11 @@ def test_family_trains_saves_and_reloads(model_type, tiny_vlm_dir, colour_rows, 
     torch.testing.assert_close(again, logits, rtol=1e-5, atol=1e-5)
 
 
-def test_megatron_refuses_the_vlm_task_naming_the_hf_backend():
+def test_megatron_refuses_a_family_it_does_not_build_naming_the_hf_backend():
+    # gemma3, not qwen2_5_vl: Megatron builds Qwen2.5-VL, and a default-size config of it is a 7B model
     pytest.importorskip("megatron.core")
     from twinkle_backend_megatron.model import MegatronModel
     from twinkle_vlm.task import VLMTask
 
     with pytest.raises(ConfigError, match="TransformersModel"):
-        MegatronModel(config={"model_type": "qwen2_5_vl"}, task=VLMTask())
+        MegatronModel(config={"model_type": "gemma3"}, task=VLMTask())
