@@ -3,12 +3,19 @@
 A tensor-parallel LM head (Megatron's ``ColumnParallelLinear`` with ``parallel_output=True``) leaves rank ``r``
 with the logits of vocabulary rows ``start:end`` only, ``[..., V / tp]``. Gathering them would put the whole
 ``[tokens, V]`` tensor on every rank (1.2 GB in float32 for Qwen's 151,936 entries at 2,048 tokens); instead the
-softmax is taken across ranks with three all-reduces per chunk of rows, each of ``[rows]`` scalars:
+softmax is taken across ranks with one all-gather per chunk of rows. Each rank sends, per row, a few scalars
+of its own slice ``z`` (its row maximum ``m``):
 
-* MAX of the local row maxima (the stable log-sum-exp's shift),
-* SUM of the local ``sum exp(z - max)`` (so every rank knows ``lse``),
-* SUM of the label's logit, which only the rank owning the label contributes (and, for label smoothing,
-  of the local sums of the logits; for the entropy, of the local ``-sum p log p``).
+* ``m`` and ``s = sum exp(z - m)``: every rank then combines ``lse = M + log sum_r s_r exp(m_r - M)`` with
+  ``M = max_r m_r`` (the stable log-sum-exp, without a MAX all-reduce before the SUM one);
+* the label's logit, which only the rank owning the label contributes, and the sum of the logits (for the
+  mean log-probability of label smoothing);
+* for the entropy, ``t = sum exp(z - m) (z - m)``: the rank's share of ``sum p log p`` is
+  ``exp(m - lse) (t + (m - lse) s)``, a sum of terms of one sign (no cancellation).
+
+Megatron's ``vocab_parallel_cross_entropy`` does the same arithmetic with three all-reduces (MAX, then two
+SUMs); one gather of ``[5, rows]`` per rank costs one collective's latency instead of three, which is what a
+small exchange pays on gloo and NCCL alike.
 
 The backward needs no communication: ``d log p(y) / d z_v = onehot(y)_v - p_v`` and each rank writes it for its
 own columns (the replicated loss back-propagates the same upstream gradient on every rank; Megatron's column
@@ -108,11 +115,35 @@ def _chunk(logits2d: torch.Tensor, idx: torch.Tensor, shard: VocabShard, dtype: 
     return z
 
 
-def _chunk_lse(z: torch.Tensor, group: Any) -> torch.Tensor:
-    """The global log-sum-exp of every row of the local chunk ``z``."""
-    row_max = _all_reduce(z.max(dim=1).values, dist.ReduceOp.MAX, group)
-    sum_exp = _all_reduce((z - row_max.unsqueeze(1)).exp_().sum(dim=1), dist.ReduceOp.SUM, group)
-    return row_max + sum_exp.log()
+@dataclass(frozen=True)
+class _RowStats:
+    """Per row of a chunk, over the whole (real) vocabulary: ``lse``, the label's logit, the logits' sum, and
+    ``sum p log p`` (zeros unless asked for)."""
+
+    lse: torch.Tensor
+    label_z: torch.Tensor
+    z_sum: torch.Tensor
+    p_log_p: torch.Tensor
+
+
+def _chunk_stats(z: torch.Tensor, labels: torch.Tensor, shard: VocabShard, with_entropy: bool) -> _RowStats:
+    """The :class:`_RowStats` of the local chunk ``z`` ``[rows, width]`` (padding columns at -inf): one
+    all-gather of every rank's per-row scalars (see the module doc)."""
+    real = z[:, : shard.real_width]
+    # a rank holding only padding rows has m = -inf; the dtype's lowest finite value keeps exp(z - m) at 0
+    m = z.max(dim=1).values.clamp_min(torch.finfo(z.dtype).min)
+    e = (real - m.unsqueeze(1)).exp_()
+    owned, local = _owned(labels, shard)
+    label_z = torch.where(owned, z.gather(1, local.unsqueeze(1)).squeeze(1), torch.zeros_like(m))
+    t = (e * (real - m.unsqueeze(1))).sum(dim=1) if with_entropy else torch.zeros_like(m)
+    mine = torch.stack([m, e.sum(dim=1), label_z, real.sum(dim=1), t])
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(shard.group))]
+    dist.all_gather(parts, mine, group=shard.group)
+    m_r, s_r, label_r, sum_r, t_r = torch.stack(parts).unbind(1)  # each [tp, rows]
+    top = m_r.max(dim=0).values
+    lse = top + (s_r * (m_r - top).exp()).sum(dim=0).log()
+    p_log_p = ((m_r - lse).exp() * (t_r + (m_r - lse) * s_r)).sum(dim=0) if with_entropy else torch.zeros_like(m)
+    return _RowStats(lse, label_r.sum(dim=0), sum_r.sum(dim=0), p_log_p)
 
 
 def _owned(labels: torch.Tensor, shard: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +160,7 @@ class _VocabParallelScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits2d: torch.Tensor, labels1d: torch.Tensor, shard: VocabShard, ignore_index: int,
                 chunk_size: int, temperature: float, with_entropy: bool):
-        acc, group = _acc_dtype(logits2d.dtype), shard.group
+        acc = _acc_dtype(logits2d.dtype)
         rows = _labelled_rows(labels1d, ignore_index)
         n = logits2d.shape[0]
         label_lp, mean_lp, entropy = (torch.zeros(n, dtype=acc, device=logits2d.device) for _ in range(3))
@@ -137,20 +168,12 @@ class _VocabParallelScores(torch.autograd.Function):
         for start in range(0, rows.numel(), chunk_size):
             idx = rows[start : start + chunk_size]
             z = _chunk(logits2d, idx, shard, acc, temperature)
-            c_lse = _chunk_lse(z, group)
-            owned, local = _owned(labels1d.index_select(0, idx), shard)
-            label_z = torch.where(owned, z.gather(1, local.unsqueeze(1)).squeeze(1), torch.zeros_like(c_lse))
-            # one all-reduce for both sums: the label's logit (only its owner adds it) and the logits' sum
-            label_z, z_sum = _all_reduce(torch.stack([label_z, z[:, : shard.real_width].sum(dim=1)]),
-                                         dist.ReduceOp.SUM, group)
-            label_lp.index_copy_(0, idx, label_z - c_lse)
-            mean_lp.index_copy_(0, idx, z_sum / shard.vocab_size - c_lse)
+            stats = _chunk_stats(z, labels1d.index_select(0, idx), shard, with_entropy)
+            label_lp.index_copy_(0, idx, stats.label_z - stats.lse)
+            mean_lp.index_copy_(0, idx, stats.z_sum / shard.vocab_size - stats.lse)
             if with_entropy:
-                log_p = z[:, : shard.real_width].sub_(c_lse.unsqueeze(1))
-                # -sum p log p on log-probs directly: exact where p underflows (the term is 0, not 0 * -inf)
-                local_h = -(log_p.exp() * log_p).sum(dim=1)
-                entropy.index_copy_(0, idx, _all_reduce(local_h, dist.ReduceOp.SUM, group))
-            lse[start : start + idx.numel()] = c_lse
+                entropy.index_copy_(0, idx, -stats.p_log_p)
+            lse[start : start + idx.numel()] = stats.lse
         ctx.save_for_backward(logits2d, labels1d, rows, lse)
         ctx.shard, ctx.chunk_size, ctx.temperature = shard, chunk_size, temperature
         ctx.mark_non_differentiable(entropy)
