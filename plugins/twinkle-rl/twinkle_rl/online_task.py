@@ -223,17 +223,27 @@ class OnlineRLTask(Task):
         self.stats = RolloutStats()
 
     # ------------------------------------------------------------------ data
-    def load_dataset(self, path: Any, tokenizer: Any, *, max_length: int | None = None, mode: str | None = None,
-                     **unused: Any) -> list[PromptFeature]:
+    def check_prompt_data(self, mode: str | None, options: dict[str, Any]) -> None:
+        """Refuse the data options a prompt dataset cannot take (a mode other than chat, packing)."""
         if mode not in (None, "chat"):
             raise ConfigError(f"data.mode: the {self.name} task reads prompt rows, got mode {mode!r}")
-        if unused.get("packing"):
+        if options.get("packing"):
             raise ConfigError(f"data.packing: the {self.name} task makes its own batches of completions; "
                               f"remove data.packing")
+
+    def prompt_length_limit(self, max_length: int | None) -> int | None:
+        """``max_prompt_length``, or else what ``data.max_length`` leaves after ``max_new_tokens`` (None: no
+        limit)."""
+        limit = self.prompt_options["max_prompt_length"]
+        if limit is None and max_length is not None:
+            limit = max(int(max_length) - self.params.max_new_tokens, 1)
+        return limit
+
+    def load_dataset(self, path: Any, tokenizer: Any, *, max_length: int | None = None, mode: str | None = None,
+                     **unused: Any) -> list[PromptFeature]:
+        self.check_prompt_data(mode, unused)
         self.tokenizer = tokenizer
-        options = dict(self.prompt_options)
-        if options["max_prompt_length"] is None and max_length is not None:
-            options["max_prompt_length"] = max(int(max_length) - self.params.max_new_tokens, 1)
+        options = dict(self.prompt_options, max_prompt_length=self.prompt_length_limit(max_length))
         features, counts = read_prompts(path, tokenizer, **options)
         self.prompt_counts = counts
         return features

@@ -160,11 +160,7 @@ class VLMOnlineRLTask(TrainablePartsMixin, OnlineRLTask):
     # ------------------------------------------------------------------ data
     def load_dataset(self, path: Any, tokenizer: Any, *, max_length: int | None = None, mode: str | None = None,
                      trust_remote_code: bool | None = None, **unused: Any) -> list[PromptFeature]:
-        if mode not in (None, "chat"):
-            raise ConfigError(f"data.mode: the {self.name} task reads prompt rows, got mode {mode!r}")
-        if unused.get("packing"):
-            raise ConfigError(f"data.packing: the {self.name} task makes its own batches of completions; remove "
-                              f"data.packing")
+        self.check_prompt_data(mode, unused)
         self.tokenizer = tokenizer
         if self.processor is None or self.processor.tokenizer is not tokenizer:
             self.processor = load_processor(tokenizer, self.options, trust_remote_code=trust_remote_code)
@@ -174,9 +170,7 @@ class VLMOnlineRLTask(TrainablePartsMixin, OnlineRLTask):
         # a completion cannot show a picture: a sampled placeholder token would have no vision features to fill it
         suppressed = set(self.params.suppress_token_ids) | set(encoder.vision_ids)
         self.params = dataclasses.replace(self.params, suppress_token_ids=tuple(sorted(suppressed)))
-        limit = self.prompt_options["max_prompt_length"]
-        if limit is None and max_length is not None:
-            limit = max(int(max_length) - self.params.max_new_tokens, 1)
+        limit = self.prompt_length_limit(max_length)
         features: list[PromptFeature] = []
         for line, sample, fields in rows:
             try:
