@@ -40,7 +40,7 @@ def test_nested_shards_reassemble_into_the_sequence(world, ring):
 
 
 def test_hybrid_batch_sharding_pads_to_the_nested_multiple():
-    from twinkle_backend_hf.sequence_parallel.ulysses import shard_batch
+    from twinkle_backend_hf.sequence_parallel.batch_sharding import shard_batch
 
     ids = torch.arange(13).view(1, 13)
     shards = [shard_batch({"input_ids": ids, "labels": ids + 100}, 4, r, layout="zigzag", ring_size=2)[0]

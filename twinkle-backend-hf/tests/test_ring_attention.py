@@ -80,7 +80,7 @@ def test_lengths_that_do_not_split_and_unknown_layouts_are_refused():
 
 
 def test_zigzag_batch_sharding_shifts_labels_before_the_split():
-    from twinkle_backend_hf.sequence_parallel.ulysses import shard_batch
+    from twinkle_backend_hf.sequence_parallel.batch_sharding import shard_batch
 
     ids = torch.arange(14).view(2, 7)
     batch = {"input_ids": ids, "labels": ids + 100, "attention_mask": torch.ones_like(ids)}

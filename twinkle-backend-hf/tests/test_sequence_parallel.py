@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from twinkle_backend_hf.sequence_parallel import ulysses
+from twinkle_backend_hf.sequence_parallel import batch_sharding, ulysses
 
 from twinkle_core.errors import ConfigError
 from twinkle_core.testing.tolerance import SPREAD_FACTOR
@@ -34,7 +34,7 @@ def _join(shards, key):
 
 
 def _shards(batch, sp):
-    out = [ulysses.shard_batch(batch, sp, r) for r in range(sp)]
+    out = [batch_sharding.shard_batch(batch, sp, r) for r in range(sp)]
     return [s for s, _ in out], out[0][1]
 
 
@@ -77,7 +77,7 @@ def test_right_padding_drops_the_mask_and_left_padding_isolates_pad_tokens():
 
 def test_padding_between_real_tokens_is_refused():
     with pytest.raises(ConfigError, match="between real tokens"):
-        ulysses.shard_batch({"input_ids": torch.ones(1, 4, dtype=torch.long),
+        batch_sharding.shard_batch({"input_ids": torch.ones(1, 4, dtype=torch.long),
                              "attention_mask": torch.tensor([[1, 0, 1, 1]])}, 2, 0)
 
 

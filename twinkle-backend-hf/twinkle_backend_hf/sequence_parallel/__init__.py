@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism for the Hugging Face backend.
 
-* :mod:`.ulysses` — the attention function registered in ``transformers.AttentionInterface``, the
-  differentiable all-to-all and the batch sharding;
+* :mod:`.ulysses` — the attention function registered in ``transformers.AttentionInterface`` and the
+  differentiable all-to-all;
+* :mod:`.batch_sharding` — each rank's share of every row of a batch (:func:`shard_batch`);
 * :mod:`.strategy` — :class:`SequenceParallelStrategy` (strategy name ``ulysses``), which shards
   batches in ``prepare_inputs``, switches the model's attention implementation and synchronises
   gradients through DDP or FSDP2 (:mod:`.data_parallel`).
@@ -21,7 +22,11 @@ def __getattr__(name: str) -> Any:
         from twinkle_backend_hf.sequence_parallel.strategy import SequenceParallelStrategy
 
         return SequenceParallelStrategy
-    if name in ("register_ulysses_attention", "shard_batch", "ulysses_attention_forward"):
+    if name == "shard_batch":
+        from twinkle_backend_hf.sequence_parallel.batch_sharding import shard_batch
+
+        return shard_batch
+    if name in ("register_ulysses_attention", "ulysses_attention_forward"):
         from twinkle_backend_hf.sequence_parallel import ulysses
 
         return getattr(ulysses, name)

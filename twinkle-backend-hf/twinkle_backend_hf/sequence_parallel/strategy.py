@@ -3,7 +3,7 @@ FSDP2 for the data dimension (:mod:`.data_parallel`).
 
 Ranks are laid out data-parallel-major: with ``DeviceMesh(dp=D, sp=P)`` ranks ``k*P .. k*P + P - 1``
 form SP group ``k``; they get the same rows (``dp_rank == k``, as the core computes it) and each
-keeps chunk ``rank % P`` of every sequence (:func:`~.ulysses.shard_batch`, called from
+keeps chunk ``rank % P`` of every sequence (:func:`~.batch_sharding.shard_batch`, called from
 ``prepare_inputs``). The model's attention implementation is switched to the registered Ulysses
 function (:mod:`.ulysses`) when the strategy wraps the model; nothing in the model code changes.
 
@@ -25,7 +25,7 @@ code that pairs them with the original batch keep working.
 Options: ``inner_attn_implementation`` (default: the model's own when it is sdpa/flash, else sdpa),
 ``pad_token_id`` (for the alignment padding, default 0), ``ignore_index`` (-100),
 ``gather_eval_outputs`` (default True), ``shift_keys`` (loss-side keys whose ``[B, T]`` tensors are
-aligned with ``labels`` and shifted like them; see :func:`~.ulysses.shard_batch`), ``cp_impl``
+aligned with ``labels`` and shifted like them; see :func:`~.batch_sharding.shard_batch`), ``cp_impl``
 (``ulysses``, the default, or ``ring``: ring attention over the ``sp`` group, :mod:`.ring_attention`, which has
 no head-count limit), ``ring_layout`` (``zigzag``, the default, or ``contiguous``; ``ring`` only),
 ``data_parallel`` (``ddp`` or ``fsdp``; default ``fsdp`` when ``mesh.fsdp`` > 1, else ``ddp``), plus the
@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from twinkle_backend_hf import quantization
+from twinkle_backend_hf.sequence_parallel import batch_sharding, ring_attention, ring_layout, ulysses
 from twinkle_backend_hf.sequence_parallel import data_parallel as data_parallel_strategies
-from twinkle_backend_hf.sequence_parallel import ring_attention, ring_layout, ulysses
 from twinkle_backend_hf.strategies.collectives import ensure_process_group
 from twinkle_backend_hf.strategies.model_parts import base_model
 from twinkle_core import distributed
@@ -138,7 +138,7 @@ class SequenceParallelStrategy(Strategy):
     def __init__(self, mesh: DeviceMesh | None = None, *, precision: Precision | None = None,
                  inner_attn_implementation: str | None = None, pad_token_id: int = 0,
                  ignore_index: int = IGNORE_INDEX, gather_eval_outputs: bool = True,
-                 shift_keys: tuple[str, ...] | list[str] = ulysses.SHIFT_KEYS, cp_impl: str = "ulysses",
+                 shift_keys: tuple[str, ...] | list[str] = batch_sharding.SHIFT_KEYS, cp_impl: str = "ulysses",
                  ring_layout: str = "zigzag", data_parallel: str | None = None,
                  **data_parallel_options: Any) -> None:
         kind = data_parallel_strategies.data_parallel_kind(data_parallel, mesh)
@@ -163,7 +163,7 @@ class SequenceParallelStrategy(Strategy):
         self.sp_rank = 0
         # ranks of the ring attention (mesh.cp, or mesh.sp under cp_impl ring) and of Ulysses' all-to-all
         self.ring_size, self.ulysses_size = (1, 1) if mesh is None else self.split_sizes(mesh, cp_impl)
-        self.last_shard: ulysses.ShardInfo | None = None
+        self.last_shard: batch_sharding.ShardInfo | None = None
 
     def bind_precision(self, precision: Precision) -> None:
         super().bind_precision(precision)
@@ -282,7 +282,7 @@ class SequenceParallelStrategy(Strategy):
             yield
 
     def prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        sharded, self.last_shard = ulysses.shard_batch(
+        sharded, self.last_shard = batch_sharding.shard_batch(
             inputs, self.sp_size, self.sp_rank, ignore_index=self.options["ignore_index"],
             pad_token_id=self.options["pad_token_id"], shift_keys=self.options["shift_keys"], layout=self.layout,
             ring_size=self.ring_size)

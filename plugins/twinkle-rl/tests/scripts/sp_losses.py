@@ -6,7 +6,7 @@
 ``sp`` writes ``OUT_DIR/rank{R}.json`` with two parts:
 
 * ``losses``: every preference and policy loss on float64 logits, each rank holding its slice of every row (the
-  HF backend's own :func:`~twinkle_backend_hf.sequence_parallel.ulysses.shard_batch`, ``contiguous`` as Ulysses
+  HF backend's own :func:`~twinkle_backend_hf.sequence_parallel.batch_sharding.shard_batch`, ``contiguous`` as Ulysses
   splits and ``zigzag`` as ring attention does) with ``LossContext(sp_group=world, sp_size=2)``, normalised as the
   model does (summed ranks' losses over the summed ``num_tokens``). Per loss and layout: the loss and the gradient
   of the logits (gathered back) against the whole-row loss computed on one rank, the largest magnitudes, and
@@ -71,7 +71,7 @@ def batch(key: str, rows: int = 4, length: int = 15, seed: int = 0) -> dict[str,
 # ---------------------------------------------------------------------- the losses alone
 def sliced_loss(key: str, layout: str, group_size: int, rank: int) -> dict[str, float]:
     """The loss on this rank's slices against the whole-row loss; gradients of the float64 logits."""
-    from twinkle_backend_hf.sequence_parallel.ulysses import shard_batch
+    from twinkle_backend_hf.sequence_parallel.batch_sharding import shard_batch
 
     from twinkle_core.loss.base import LossContext
 
