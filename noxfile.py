@@ -122,7 +122,8 @@ def conformance_distributed(session: nox.Session, target: str) -> None:
 @nox.session
 @nox.parametrize("threads", ["1", "2"])
 def parity(session: nox.Session, threads: str) -> None:
-    """The parity tests with THREADS threads per process (CI runs both through scripts/test.sh)."""
+    """The parity tests with THREADS threads per process. CI (scripts/test.sh) runs every test with 1 thread and
+    the in-process parity tests again with 2; `nox -s "parity(threads='2')"` reruns the multi-process ones too."""
     _bootstrap(session)
     session.run(*PYTEST, "tests", "twinkle-backend-hf/tests", "twinkle-backend-megatron/tests",
                 "twinkle-backend-npu/tests", "twinkle-ray/tests", "twinkle-server/tests", "plugins",

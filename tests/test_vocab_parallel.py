@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from twinkle_core.testing.torchrun import run_torchrun
+
+pytestmark = pytest.mark.distributed  # torchrun jobs of 2 ranks: run one at a time (scripts/test.sh)
 
 JOB = Path(__file__).with_name("vocab_parallel_job.py")
 

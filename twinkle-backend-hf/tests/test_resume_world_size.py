@@ -17,8 +17,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from twinkle_core.testing.tolerance import assert_within_spread, sum_tolerance
 from twinkle_core.testing.torchrun import free_port
+
+pytestmark = pytest.mark.distributed  # torchrun jobs of 2 ranks: run one at a time (scripts/test.sh)
 
 HERE = Path(__file__).resolve().parent
 QUICKSTART = HERE.parents[1] / "examples" / "quickstart"

@@ -186,7 +186,12 @@ STRATEGIES = {
 }
 
 
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+#: CI runs one HF strategy and one Megatron layout; FSDP2 and PP=2 under Ray run in the slow session
+SLOW_STRATEGIES = ("native_fsdp", "megatron_pp2")
+
+
+@pytest.mark.parametrize("strategy", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_STRATEGIES else name
+                                      for name in sorted(STRATEGIES)])
 def test_other_strategies_give_torchruns_losses_under_ray(tmp_path, strategy):
     pytest.importorskip("twinkle_backend_megatron" if strategy.startswith("megatron") else "twinkle_backend_hf")
     recipe, *overrides = STRATEGIES[strategy]

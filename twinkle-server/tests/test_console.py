@@ -70,8 +70,21 @@ def sft_step(client, step: int) -> float:
     return result.metrics["loss:sum"]
 
 
+def attribute(driver, element_id: str, name: str) -> str | None:
+    """An attribute of the element with this id, read in one script: the page redraws the chart every second, so
+    an element found by one WebDriver call can be replaced (stale) before the next reads it."""
+    return driver.execute_script("const e = document.getElementById(arguments[0]); "
+                                 "return e === null ? null : e.getAttribute(arguments[1]);", element_id, name)
+
+
+def text_of(driver, element_id: str) -> str:
+    """The text of the element with this id, read in one script (see :func:`attribute`)."""
+    return driver.execute_script("const e = document.getElementById(arguments[0]); "
+                                 "return e === null ? '' : e.innerText;", element_id)
+
+
 def points_shown(driver) -> int:
-    return int(driver.find_element("id", "chart").get_attribute("data-points") or 0)
+    return int(attribute(driver, "chart", "data-points") or 0)
 
 
 def wait_for(condition, timeout_s: float = 30.0):
@@ -91,7 +104,7 @@ def log_in(driver, server, tenant: str) -> None:
     driver.get(f"{server.base_url}/console")
     driver.find_element("id", "key").send_keys(KEYS[tenant])
     driver.find_element("css selector", "#login button").click()
-    wait_for(lambda: f"tenant {tenant}" in driver.find_element("id", "who").text)
+    wait_for(lambda: f"tenant {tenant}" in text_of(driver, "who"))
 
 
 def shown_runs(driver, kind: str | None = None) -> list[dict[str, str]]:
@@ -145,12 +158,12 @@ def test_a_tenant_watches_its_loss_curve_grow(server, driver, tmp_path: Path):
     assert tinker_runs[0]["base model"] == TINY_BASE
     select(driver, tinker_runs[0]["id"])
     wait_for(lambda: points_shown(driver) >= 2)
-    first_line = driver.find_element("id", "loss-line").get_attribute("points")
+    first_line = attribute(driver, "loss-line", "points")
 
     for step in range(2, 5):  # the page polls: new steps appear without a reload
         sft_step(client, step)
     wait_for(lambda: points_shown(driver) >= 5)
-    assert driver.find_element("id", "loss-line").get_attribute("points") != first_line
+    assert attribute(driver, "loss-line", "points") != first_line
     screenshot = tmp_path / "console.png"
     driver.save_screenshot(str(screenshot))
     assert screenshot.stat().st_size > 10_000
@@ -165,7 +178,7 @@ def test_a_tenant_watches_its_loss_curve_grow(server, driver, tmp_path: Path):
     key.clear()
     key.send_keys("tml-not-a-tenant")
     driver.find_element("css selector", "#login button").click()
-    wait_for(lambda: "unknown API key" in driver.find_element("id", "error").text)
+    wait_for(lambda: "unknown API key" in text_of(driver, "error"))
 
 
 def test_a_native_adapters_steps_and_curve_show_for_its_tenant_only(server, driver):
@@ -181,8 +194,8 @@ def test_a_native_adapters_steps_and_curve_show_for_its_tenant_only(server, driv
     assert shown["last loss"] == f"{losses[-1]:.4f}"
     run_id = shown["id"]
     select(driver, run_id)
-    wait_for(lambda: points_shown(driver) == 3 and "console-sft" in driver.find_element("id", "chart-title").text)
-    assert len(driver.find_element("id", "loss-line").get_attribute("points").split()) == 3
+    wait_for(lambda: points_shown(driver) == 3 and "console-sft" in text_of(driver, "chart-title"))
+    assert len(attribute(driver, "loss-line", "points").split()) == 3
 
     # bob: not in his page, and its curve is the 404 of a run that does not exist; an admin sees both
     log_in(driver, server, "bob")
