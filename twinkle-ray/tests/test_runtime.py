@@ -186,8 +186,8 @@ STRATEGIES = {
 }
 
 
-#: CI runs one HF strategy and one Megatron layout; FSDP2 and PP=2 under Ray run in the slow session
-SLOW_STRATEGIES = ("native_fsdp", "megatron_pp2")
+#: CI runs one strategy besides DDP (Megatron TP=2); FSDP2, ZeRO-3 and PP=2 under Ray run in the slow session
+SLOW_STRATEGIES = ("native_fsdp", "deepspeed_zero3", "megatron_pp2")
 
 
 @pytest.mark.parametrize("strategy", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_STRATEGIES else name
