@@ -132,10 +132,12 @@ def _chunk_stats(z: torch.Tensor, labels: torch.Tensor, shard: VocabShard, with_
     real = z[:, : shard.real_width]
     # a rank holding only padding rows has m = -inf; the dtype's lowest finite value keeps exp(z - m) at 0
     m = z.max(dim=1).values.clamp_min(torch.finfo(z.dtype).min)
-    e = (real - m.unsqueeze(1)).exp_()
+    shifted = real - m.unsqueeze(1)
+    # the entropy needs the shifted logits after exp; without it, exp in place saves a [rows, width] buffer
+    e = shifted.exp() if with_entropy else shifted.exp_()
     owned, local = _owned(labels, shard)
     label_z = torch.where(owned, z.gather(1, local.unsqueeze(1)).squeeze(1), torch.zeros_like(m))
-    t = (e * (real - m.unsqueeze(1))).sum(dim=1) if with_entropy else torch.zeros_like(m)
+    t = (e * shifted).sum(dim=1) if with_entropy else torch.zeros_like(m)
     mine = torch.stack([m, e.sum(dim=1), label_z, real.sum(dim=1), t])
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(shard.group))]
     dist.all_gather(parts, mine, group=shard.group)
