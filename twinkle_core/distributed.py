@@ -44,15 +44,29 @@ DEFAULT_TIMEOUT_S = 600.0
 
 
 def init_process_group(backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
-    """Join the job started by torchrun (no-op for one process or when already joined)."""
+    """Join the job started by torchrun (no-op for one process or when already joined).
+
+    A ``"gloo"`` job joins :data:`twinkle_core.shm_collectives.BACKEND` where the machine allows it: gloo, with
+    all-reduces through shared memory between the ranks of one host (``TWINKLE_SHM_COLLECTIVES=0``: plain gloo).
+    """
     import torch.distributed as dist
 
     if dist.is_initialized():
         return True
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend=process_group_backend(backend), timeout=timedelta(seconds=timeout_s))
     return True
+
+
+def process_group_backend(backend: str) -> str:
+    """The ``torch.distributed`` backend a job of accelerator backend ``backend`` joins."""
+    from twinkle_core import shm_collectives
+
+    if backend != "gloo" or not shm_collectives.supported()[0]:
+        return backend
+    shm_collectives.register()
+    return shm_collectives.BACKEND
 
 
 def barrier() -> None:
