@@ -1,7 +1,7 @@
 """(h) Megatron tensor parallelism (TP=2) vs Hugging Face DDP on 2 ranks: step time and where it goes.
 
 Contenders, both on the same 2 CPU ranks, in the same ``torchrun`` job, over the same process group: gloo, with
-all-reduces through shared memory (``twinkle_core.shm_collectives``, the default of a CPU job on one host;
+all-reduces and all-gathers through shared memory (``twinkle_core.shm_collectives``, the default of a CPU job on one host;
 ``--shm-collectives off``: gloo's own all-reduce over loopback TCP for both):
 
 * ``megatron`` - ``MegatronModel`` (megatron-core ``GPTModel``), strategy ``megatron``, mesh ``tp=2``: every
@@ -29,12 +29,12 @@ Where the time goes: after the timed steps each contender runs ``--profile-steps
 
 * *comm*: the collectives - the union of the intervals of the gloo events (``gloo:all_reduce``,
   ``gloo:all_gather``, ``gloo:broadcast``), which run on gloo's worker thread, and of the shared-memory
-  all-reduces (``twinkle_shm:all_reduce``), which run on the training thread; this includes the time
+  collectives (``twinkle_shm:all_reduce``, ``twinkle_shm:all_gather``), which run on the training thread; this includes the time
   a rank waits for its peer to reach the collective (load imbalance, the other rank being descheduled);
 * *exposed comm*: the part of comm during which the training thread runs no ``aten::`` op, i.e. not
   hidden behind computation. Megatron's TP all-reduces are synchronous (the next layer needs their
   result), DDP's gradient all-reduces can overlap the rest of the backward pass;
-* *compute*: the union of the ``aten::`` ops on the training thread, outside the shared-memory all-reduces;
+* *compute*: the union of the ``aten::`` ops on the training thread, outside the shared-memory collectives;
 * *other*: the rest (Python, framework bookkeeping, op dispatch).
 
 Shares are of the profiled step (mean over the ranks); the profiler itself slows steps down.
@@ -74,8 +74,8 @@ PROMPT_FRACTION = 0.25
 TARGET_RATIO_MAX = 1.15
 NPROC = 2
 
-#: the profiler event of the shared-memory all-reduce (twinkle_core.shm_collectives.PROFILER_EVENT)
-SHM_EVENT = "twinkle_shm:all_reduce"
+#: the prefix of the profiler events of the shared-memory collectives (twinkle_core.shm_collectives)
+SHM_EVENT = "twinkle_shm:"
 #: profiler event names counted as communication (gloo's collectives and the c10d ops launching/waiting on them)
 COMM_PATTERN = re.compile(r"gloo:|c10d::|nccl:|all_reduce|allreduce|all_gather|allgather|reduce_scatter|"
                           r"broadcast|_reduce_scatter_base|_allgather_base|barrier", re.IGNORECASE)
@@ -164,7 +164,7 @@ def profile(c: Contender, batches: list[dict], steps: int, offset: int) -> dict[
     # gloo runs its collectives on its worker thread; the shared-memory all-reduce runs on the training thread,
     # and the aten ops inside it (copies into the slots, the sums) are communication, not computation
     in_shm = _union([(e.time_range.start, e.time_range.end) for e in events
-                     if e.thread == main_tid and e.name == SHM_EVENT])
+                     if e.thread == main_tid and e.name.startswith(SHM_EVENT)])
     comm = _union([(e.time_range.start, e.time_range.end) for e in events
                    if e.thread != main_tid and COMM_PATTERN.search(e.name)] + in_shm)
     compute = _subtract(_union([(e.time_range.start, e.time_range.end) for e in events
@@ -347,12 +347,12 @@ def drive(args: argparse.Namespace, argv: list[str]) -> None:
         "time_split_definition": {
             "comm": "per step, the union of the intervals of the collective events torch.profiler records off "
                     "the training thread (gloo's worker: gloo:all_reduce, gloo:all_gather, gloo:broadcast ...) "
-                    f"and of the shared-memory all-reduces on the training thread ({SHM_EVENT}); includes the time "
+                    f"and of the shared-memory collectives on the training thread ({SHM_EVENT}*); includes the time "
                     "a rank waits for its peer to reach the collective",
             "exposed_comm": "the part of comm during which the training thread runs no aten:: op (not hidden "
                             "behind computation)",
             "compute": "per step, the union of the aten:: ops on the training thread outside the shared-memory "
-                       "all-reduces",
+                       "collectives",
             "other": "step wall - compute - exposed comm: Python, framework bookkeeping, dispatch",
             "shares": "of the profiled step wall time; mean over the ranks"},
         "target_ratio_max": TARGET_RATIO_MAX,
@@ -390,8 +390,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="Megatron's strategy option vocab_parallel_loss: the loss on each rank's vocabulary "
                              "slice (on, the default) or on the gathered logits (off, as before it existed)")
     parser.add_argument("--shm-collectives", choices=("on", "off"), default="on",
-                        help="TWINKLE_SHM_COLLECTIVES for both contenders: all-reduces through shared memory (on, "
-                             "the default of a gloo job on one host) or gloo's loopback TCP (off)")
+                        help="TWINKLE_SHM_COLLECTIVES for both contenders: all-reduces and all-gathers through shared memory (on, "
+                             "the default of a gloo job on one host) or over gloo's loopback TCP (off)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--raw-out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pairs", type=int, default=None, help=argparse.SUPPRESS)

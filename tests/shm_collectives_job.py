@@ -40,6 +40,25 @@ def check_equal_to_gloo(gloo: dist.ProcessGroup, rank: int) -> None:
                                  f"{(mine.double() - reference.double()).abs().max()}")
 
 
+def check_all_gather_equal_to_gloo(gloo: dist.ProcessGroup, rank: int) -> None:
+    """Both all-gather forms, every dtype, one slot's worth (shared memory) and more (gloo's): gloo's result."""
+    for seed, (dtype, numel) in enumerate((d, n) for d in DTYPES for n in (1, 777)):
+        mine = rank_tensor(rank, numel, dtype, 100 + seed).view(-1, 1) if numel > 1 else \
+            rank_tensor(rank, numel, dtype, 100 + seed)
+        parts, reference = ([torch.empty_like(mine) for _ in range(2)] for _ in range(2))
+        dist.all_gather(parts, mine)
+        dist.all_gather(reference, mine, group=gloo)
+        into = torch.empty((2 * mine.shape[0], *mine.shape[1:]), dtype=dtype)
+        dist.all_gather_into_tensor(into, mine)
+        if not all(torch.equal(a, b) for a, b in zip(parts, reference)) or not torch.equal(into, torch.cat(reference)):
+            raise AssertionError(f"all-gather of {numel} {dtype}: {parts} / {into} != {reference}")
+    big = torch.full((shm_collectives.SLOT_BYTES // 4 + 1,), float(rank))  # over one slot: gloo's
+    parts = [torch.empty_like(big) for _ in range(2)]
+    dist.all_gather(parts, big)
+    if [float(p[0]) for p in parts] != [0.0, 1.0] or [float(p[-1]) for p in parts] != [0.0, 1.0]:
+        raise AssertionError("an all-gather over one slot went wrong")
+
+
 def check_many_rounds(rank: int) -> None:
     """Back-to-back all-reduces reuse the two banks of slots: each result must be its own round's."""
     for step in range(200):
@@ -47,6 +66,10 @@ def check_many_rounds(rank: int) -> None:
         dist.all_reduce(value)
         if not torch.all(value == step * 4 + 1):
             raise AssertionError(f"round {step}: {value[:4].tolist()}")
+        parts = [torch.empty(3) for _ in range(2)]
+        dist.all_gather(parts, torch.full((3,), float(step * 2 + rank)))
+        if [p.tolist() for p in parts] != [[step * 2.0] * 3, [step * 2.0 + 1] * 3]:
+            raise AssertionError(f"gather round {step}: {parts}")
 
 
 def check_async_and_future(rank: int) -> None:
@@ -62,7 +85,7 @@ def check_async_and_future(rank: int) -> None:
         raise AssertionError(f"coalesced all-reduce gave {pair}")
 
 
-def check_other_collectives_are_gloos(rank: int) -> None:
+def check_the_other_collectives(rank: int) -> None:
     mine = torch.arange(4.0) + 10 * rank
     gathered = [torch.empty(4) for _ in range(2)]
     dist.all_gather(gathered, mine)
@@ -146,9 +169,10 @@ def main() -> None:
     check_equal_to_gloo(gloo, rank)
     if dist.group.WORLD.shares_memory is not True:
         raise AssertionError("the default group's all-reduce did not go through shared memory")
+    check_all_gather_equal_to_gloo(gloo, rank)
     check_many_rounds(rank)
     check_async_and_future(rank)
-    check_other_collectives_are_gloos(rank)
+    check_the_other_collectives(rank)
     check_functional_collectives(rank)
     check_subgroup_shares_memory(rank)
     check_a_missing_peer_times_out_by_name(rank)

@@ -1,18 +1,19 @@
-"""Shared-memory all-reduce for CPU process groups whose ranks share one host.
+"""Shared-memory all-reduce and all-gather for CPU process groups whose ranks share one host.
 
 gloo moves every all-reduce through loopback TCP: about 1.7 ms for a few bytes and 2.3 ms for 1 MB between two
 local ranks. Tensor parallelism all-reduces activations several times per layer and waits for each, and
 data parallelism all-reduces every gradient, so on a CPU host gloo's latency is a large share of a step.
 
-The process group :data:`BACKEND` is gloo plus one change: ``all_reduce`` of a contiguous tensor goes through a
-shared-memory segment of the group. Each rank copies its tensor (in chunks of at most :data:`SLOT_BYTES`) into its
-own slot, publishes the chunk's sequence number, waits until every rank has published it, and reduces the slots in
-rank order, so every rank computes bitwise the same result (for two ranks, the same ``a + b`` as gloo). The slots
-alternate between two banks: a rank that has seen every peer arrive at round ``n`` knows they all finished reading
-round ``n - 1``, so round ``n + 1`` may overwrite that bank.
+The process group :data:`BACKEND` is gloo with two collectives replaced. ``all_reduce`` of a contiguous tensor goes
+through a shared-memory segment of the group: each rank copies its tensor (in chunks of at most :data:`SLOT_BYTES`)
+into its own slot, publishes the chunk's sequence number, waits until every rank has published it, and reduces the
+slots in rank order, so every rank computes bitwise the same result (for two ranks, the same ``a + b`` as gloo).
+``all_gather`` of a tensor of at most one slot publishes it the same way and copies every rank's slot out. The
+slots alternate between two banks: a rank that has seen every peer arrive at round ``n`` knows they all finished
+reading round ``n - 1``, so round ``n + 1`` may overwrite that bank.
 
-Every other collective (all-gather, broadcast, reduce-scatter, all-to-all, send/recv, barrier) is gloo's: the group
-holds a ``ProcessGroupGloo`` and hands those calls to it.
+Every other collective (reduce-scatter, broadcast, all-to-all, send/recv, barrier, larger all-gathers) is gloo's:
+the group holds a ``ProcessGroupGloo`` and hands those calls to it.
 
 The segment is made on a group's first all-reduce, and only where it can be shared: rank 0 creates a file in
 ``/dev/shm`` with a random token in it, the other ranks open it and check the token, and all of them agree through
@@ -44,8 +45,9 @@ SLOT_BYTES = 4 << 20
 #: one 64-byte line per rank for its sequence number, so ranks never write the same cache line
 FLAG_STRIDE_BYTES = 64
 SHM_DIR = "/dev/shm"
-#: the ``torch.profiler`` event around each shared-memory all-reduce
+#: the ``torch.profiler`` events around each shared-memory all-reduce and all-gather
 PROFILER_EVENT = f"{BACKEND}:all_reduce"
+GATHER_PROFILER_EVENT = f"{BACKEND}:all_gather"
 #: reductions done in shared memory; the others (bitwise ops, AVG, PREMUL_SUM) stay gloo's, errors included
 _ELEMENTWISE_OPS = ("SUM", "PRODUCT", "MIN", "MAX")
 #: bytes at the start of the segment after the sequence numbers: rank 0's random token, checked by the others
@@ -212,9 +214,26 @@ def _build_group_class() -> type:
             """Whether this group's all-reduces go through shared memory (None before its first all-reduce)."""
             return (self._segment is not None) if self._opened else None
 
+        def allgather(self, outputs: list[list[Any]], inputs: list[Any], opts: Any = None) -> Any:
+            if len(inputs) == 1 and len(outputs[0]) == self._size and \
+                    self._gathers_in_shared_memory(inputs[0], outputs[0]):
+                self._all_gather(inputs[0], outputs[0])
+                return CompletedWork(outputs)
+            return self._gloo.allgather(outputs, inputs, *_given(opts))
+
+        def all_gather_single(self, output: Any, tensor: Any, opts: Any = None) -> Any:
+            if (output.is_contiguous() and output.dtype == tensor.dtype and output.device.type == "cpu"
+                    and output.numel() == tensor.numel() * self._size
+                    and self._gathers_in_shared_memory(tensor, [])):
+                self._all_gather(tensor, list(output.view(self._size, -1).unbind(0)))
+                return CompletedWork([output])
+            return self._gloo._allgather_base(output, tensor, *_given(opts))  # noqa: SLF001 - gloo's binding
+
+        _allgather_base = all_gather_single
+
         def all_gather_single_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any = None) -> Any:
             for output, tensor in zip(outputs, inputs):
-                self._gloo._allgather_base(output, tensor, *_given(opts)).wait()  # noqa: SLF001 - gloo's binding
+                self.all_gather_single(output, tensor, opts).wait()
             return CompletedWork(outputs)
 
         def reduce_scatter_single_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any = None) -> Any:
@@ -253,9 +272,21 @@ def _build_group_class() -> type:
                 return False
             if name != "SUM" and any(t.is_complex() for t in tensors):
                 return False
-            if any(t.device.type != "cpu" or not t.is_contiguous() or t.is_sparse or t.dtype == torch.bool
-                   for t in tensors):
+            if not all(_plain(t) for t in tensors):
                 return False
+            return self._segment_ready()
+
+        def _gathers_in_shared_memory(self, tensor: Any, outputs: list[Any]) -> bool:
+            """One chunk's worth, gathered into CPU tensors of its own dtype and size (gloo's rule too)."""
+            if self._size == 1 or not _plain(tensor) or tensor.is_complex():
+                return False
+            if tensor.numel() * tensor.element_size() > SLOT_BYTES:
+                return False
+            if any(not _plain(o) or o.dtype != tensor.dtype or o.numel() != tensor.numel() for o in outputs):
+                return False
+            return self._segment_ready()
+
+        def _segment_ready(self) -> bool:
             if not self._opened:
                 self._opened = True
                 self._segment = _open_segment(self._store, self._rank, self._size)
@@ -269,7 +300,14 @@ def _build_group_class() -> type:
                 for start in range(0, max(flat.numel(), 1), per_chunk):
                     self._reduce_chunk(flat[start:start + per_chunk], name)
 
-        def _reduce_chunk(self, chunk: Any, name: str) -> None:
+        def _all_gather(self, tensor: Any, outputs: list[Any]) -> None:
+            with torch.profiler.record_function(GATHER_PROFILER_EVENT):
+                slots = self._exchange(tensor.reshape(-1))
+                for output, slot in zip(outputs, slots):
+                    output.view(-1).copy_(slot)
+
+        def _exchange(self, chunk: Any) -> list[Any]:
+            """Publish ``chunk`` in this rank's slot of the next round; every rank's slot once all have."""
             segment = self._segment
             self._round += 1
             bank = self._round % 2
@@ -278,6 +316,10 @@ def _build_group_class() -> type:
             slots[self._rank].copy_(chunk)
             segment.flags[self._rank] = self._round  # published after the data (x86-64 keeps store order)
             self._wait_for_peers()
+            return slots
+
+        def _reduce_chunk(self, chunk: Any, name: str) -> None:
+            slots = self._exchange(chunk)
             # in rank order on every rank, so all of them hold bitwise the same result
             function = combine[name]
             function(slots[0], slots[1], out=chunk)
@@ -318,8 +360,7 @@ def _build_group_class() -> type:
 
 #: the process group's method -> the ProcessGroupGloo binding that does it
 _GLOO_METHODS = {
-    "allgather": "allgather", "allgather_coalesced": "allgather_coalesced", "all_gather_single": "_allgather_base",
-    "_allgather_base": "_allgather_base", "reduce_scatter": "reduce_scatter",
+    "allgather_coalesced": "allgather_coalesced", "reduce_scatter": "reduce_scatter",
     "reduce_scatter_single": "_reduce_scatter_base", "_reduce_scatter_base": "_reduce_scatter_base",
     "all_to_all_single": "alltoall_base", "alltoall_base": "alltoall_base", "alltoall": "alltoall",
     "broadcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter", "barrier": "barrier",
@@ -333,6 +374,14 @@ def _to_gloo(gloo_name: str) -> Any:
 
     method.__name__ = gloo_name
     return method
+
+
+def _plain(tensor: Any) -> bool:
+    """A dense, contiguous CPU tensor of a type the shared-memory path copies and reduces."""
+    import torch
+
+    return (tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_sparse
+            and tensor.dtype != torch.bool)
 
 
 def _given(opts: Any) -> tuple[Any, ...]:
