@@ -55,8 +55,24 @@ def test_a_peer_that_reads_another_token_makes_the_group_keep_gloos_all_reduce(t
     with open(path, "wb") as handle:
         handle.truncate(shm_collectives.Segment.nbytes(2))  # the right size, but zeros where the token goes
     try:
-        assert shm_collectives._open_segment(_store_of_rank_zero(path, "a" * 64), rank=1, size=2) is None
+        store = _store_of_rank_zero(path, "a" * 64)
+        assert shm_collectives._open_segment(store, rank=1, size=2, timeout_s=60) is None
     finally:
         os.unlink(path)
     missing = _store_of_rank_zero(os.path.join(shm_collectives.SHM_DIR, "twinkle-shm-not-there"), "a" * 64)
-    assert shm_collectives._open_segment(missing, rank=1, size=2) is None
+    assert shm_collectives._open_segment(missing, rank=1, size=2, timeout_s=60) is None
+
+
+def test_a_peer_that_never_maps_the_segment_is_an_error_within_the_timeout():
+    token = "b" * 64
+    size = 3
+    path = os.path.join(shm_collectives.SHM_DIR, f"twinkle-shm-test-late-{os.getpid()}")
+    with open(path, "wb") as handle:
+        handle.truncate(shm_collectives.Segment.nbytes(size))
+        handle.seek(shm_collectives.FLAG_STRIDE_BYTES * size)
+        handle.write(token.encode())
+    try:
+        with pytest.raises(RuntimeError, match=r"1 rank\(s\) of this group did not map its segment within 1 s"):
+            shm_collectives._open_segment(_store_of_rank_zero(path, token), rank=1, size=size, timeout_s=1)
+    finally:
+        os.unlink(path)

@@ -15,10 +15,10 @@ reading round ``n - 1``, so round ``n + 1`` may overwrite that bank.
 Every other collective (reduce-scatter, broadcast, all-to-all, send/recv, barrier, larger all-gathers) is gloo's:
 the group holds a ``ProcessGroupGloo`` and hands those calls to it.
 
-The segment is made on a group's first all-reduce, and only where it can be shared: rank 0 creates a file in
+The segment is made on a group's first all-reduce or all-gather, and only where it can be shared: rank 0 creates a file in
 ``/dev/shm`` with a random token in it, the other ranks open it and check the token, and all of them agree through
 the group's store. On separate hosts or containers (a peer cannot open the file, or reads another token) the group
-keeps gloo's all-reduce. The file is unlinked as soon as every rank has mapped it, so nothing is left behind.
+keeps gloo's collectives. The file is unlinked as soon as every rank has mapped it, so nothing is left behind.
 
 The publish/read protocol relies on x86-64's store ordering (a peer that reads the new sequence number also reads
 the data written before it); on other architectures :func:`supported` is false and the strategies join a plain
@@ -84,8 +84,8 @@ def _create_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
 
     gloo = ProcessGroupGloo(store, rank, size, timeout)
     group = _shared_memory_group_class()(store, rank, size, timeout, gloo)
-    # collectives this class does not define (all_gather_into_tensor, reduce_scatter_tensor, gather, scatter ...)
-    # reach gloo through the group's registered CPU backend
+    # torch looks the group's CPU backend up itself: to shut it down, to batch sends (_start_coalescing), for
+    # device meshes
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)  # noqa: SLF001
     return group
 
@@ -111,7 +111,7 @@ class Segment:
         return self.data[start:start + nbytes].view(dtype)
 
 
-def _open_segment(store: Any, rank: int, size: int) -> Segment | None:
+def _open_segment(store: Any, rank: int, size: int, timeout_s: float) -> Segment | None:
     """Map the group's segment on every rank, or agree (through the store) that it cannot be shared."""
     import torch
 
@@ -148,7 +148,12 @@ def _open_segment(store: Any, rank: int, size: int) -> Segment | None:
         shared = raw is not None
     # every rank counts itself in, and counts a failure as a large number, so one read tells all of them
     store.add("twinkle_shm/arrived", 1 if shared else size + 1)
+    deadline = time.monotonic() + timeout_s
     while (arrived := store.add("twinkle_shm/arrived", 0)) < size:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"shared-memory collectives: {size - arrived} rank(s) of this group did not map its "
+                               f"segment within {timeout_s:.0f} s (this is rank {rank}); set {ENV_SWITCH}=0 to use "
+                               "gloo's collectives instead")
         time.sleep(0.001)
     if rank == 0 and path:
         os.unlink(path)
@@ -211,7 +216,7 @@ def _build_group_class() -> type:
 
         @property
         def shares_memory(self) -> bool | None:
-            """Whether this group's all-reduces go through shared memory (None before its first all-reduce)."""
+            """Whether this group's all-reduces and all-gathers go through shared memory (None before the first)."""
             return (self._segment is not None) if self._opened else None
 
         def allgather(self, outputs: list[list[Any]], inputs: list[Any], opts: Any = None) -> Any:
@@ -289,7 +294,7 @@ def _build_group_class() -> type:
         def _segment_ready(self) -> bool:
             if not self._opened:
                 self._opened = True
-                self._segment = _open_segment(self._store, self._rank, self._size)
+                self._segment = _open_segment(self._store, self._rank, self._size, self._timeout_s)
             return self._segment is not None
 
         def _all_reduce(self, tensor: Any, op: Any) -> None:
