@@ -28,9 +28,10 @@ Assumptions (each term):
   memory-efficient SDPA, which keep only a log-sum-exp per query; the recipe reader counts every implementation
   but ``eager`` as fused), else the fp32 softmax probabilities of every layer, ``rows * H/(tp sp) * seq * seq``
   (each rank holds ``H/sp`` heads of the whole sequence). The ring attention (``cp > 1``) keeps none between the
-  passes, but Twinkle's (:mod:`twinkle_backend_hf.sequence_parallel.ring_attention`) computes each block with
-  matmuls, so one block's fp32 scores and probabilities, ``2 * rows * H/(tp sp) * (seq/cp)^2``, exist at a time;
-  ``fused_ring=True`` models a ring whose blocks run a fused kernel (none of it).
+  passes, but Twinkle's (:mod:`twinkle_backend_hf.sequence_parallel.ring_attention`) recomputes each block's
+  probabilities with matmuls in the backward off the CPU (its forward, and on the CPU its backward too, run
+  blocks in a fused kernel), so one block's fp32 scores and probabilities, ``2 * rows * H/(tp sp) * (seq/cp)^2``,
+  exist at a time; ``fused_ring=True`` models a ring whose backward runs a fused kernel too (none of it).
 * **Logits** ``[tokens/rank, V]`` in fp32 (the loss upcasts them) plus their gradient of the same size (``2 * 4``
   bytes per element), divided by ``tp`` when the loss is vocabulary-parallel.
 

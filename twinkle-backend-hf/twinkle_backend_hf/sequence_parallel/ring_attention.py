@@ -7,7 +7,8 @@ its output with the online softmax (running log-sum-exp, at least float32). The 
 already on its way while the current one is computed.
 
 The backward pass recomputes each block's probabilities from the saved log-sum-exp (nothing of size
-``S x S`` is kept between the passes): ``dQ`` accumulates where it is, while ``dK``/``dV`` travel with
+``S x S`` is kept between the passes; on the CPU full and causal blocks do it in torch's fused FlashAttention
+backward): ``dQ`` accumulates where it is, while ``dK``/``dV`` travel with
 their key/value block and arrive, after the last step, back at the rank that owns it.
 
 Masking is exact per element, from the global token indices of the layout: causal (``key index <=
@@ -16,8 +17,9 @@ segment). A block that the causal rule hides completely is skipped (no compute; 
 Grouped-query attention: each key/value head serves ``H / Hkv`` consecutive query heads, as in
 ``transformers``' ``repeat_kv``; only the ``Hkv`` heads travel.
 
-Each block's forward is :func:`.ring_blocks.block_forward`: plain matrix products, or a fused attention kernel
-that a kernel plugin attached to the attention layer (:mod:`.ring_blocks`) for the full and causal blocks.
+Each block's forward is :func:`.ring_blocks.block_forward`: for the full and causal blocks a fused attention
+kernel, the one a kernel plugin attached to the attention layer or else torch's own (:mod:`.ring_blocks`); plain
+matrix products for element-wise masked blocks.
 The merge and the backward stay here, so a kernel needs to give the block's output and log-sum-exp only.
 """
 
@@ -45,7 +47,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     order); ``segment_ids`` ``[B, S]`` integers (equal ids = the same packed sequence), computed on
     the *global* sequence before sharding. Returns ``[B, H, S, D]`` in ``q``'s dtype. ``group``: the
     ring's process group (``None``: the default group). ``block_attention``: a fused kernel for the full and
-    causal blocks (:mod:`.ring_blocks`; ``None``: plain matrix products for every block)."""
+    causal blocks (:mod:`.ring_blocks`; ``None``: torch's own fused attention on CPU and CUDA)."""
     ring_layout.check_layout(layout)
     if q.dim() != 4 or k.shape != v.shape or k.shape[:1] + k.shape[2:] != q.shape[:1] + q.shape[2:]:
         raise ValueError(f"ring attention needs q [B, H, S, D] and k, v [B, Hkv, S, D]; got {tuple(q.shape)}, "
@@ -171,6 +173,7 @@ class _RingAttention(torch.autograd.Function):
         qf, dout = q.to(acc), grad_out.to(acc)
         delta = (dout * out).sum(-1, keepdim=True)  # rowsum(dO * O): the softmax backward's correction
         lse = ring_blocks.finite(lse)[..., None]
+        fused = ring_blocks.fused_block_backward(q.device)
         dq = torch.zeros_like(qf)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=acc, device=k.device)  # travels with its key/value block
@@ -182,11 +185,17 @@ class _RingAttention(torch.autograd.Function):
             if not block.skip:
                 rows = (slice(None), slice(None), block.rows)
                 kb, vb = (ring_blocks.repeat_heads(t[:, :, block.cols].to(acc), groups) for t in kv.unbind(0))
-                p = torch.exp(block.scores(qf[rows], kb, scale) - lse[rows])
-                ds = p * (torch.matmul(dout[rows], vb.transpose(-1, -2)) - delta[rows])
-                dq[rows] += torch.matmul(ds, kb) * scale
-                dk = _sum_heads(torch.matmul(ds.transpose(-1, -2), qf[rows]) * scale, groups)
-                dv = _sum_heads(torch.matmul(p.transpose(-1, -2), dout[rows]), groups)
+                if fused is not None and block.kind != "masked":
+                    dq_block, dk, dv = fused(dout[rows], qf[rows], kb, vb, out[rows], lse[rows][..., 0], scale=scale,
+                                             causal=block.kind == "causal")
+                    dq[rows] += dq_block
+                    dk, dv = _sum_heads(dk, groups), _sum_heads(dv, groups)
+                else:
+                    p = torch.exp(block.scores(qf[rows], kb, scale) - lse[rows])
+                    ds = p * (torch.matmul(dout[rows], vb.transpose(-1, -2)) - delta[rows])
+                    dq[rows] += torch.matmul(ds, kb) * scale
+                    dk = _sum_heads(torch.matmul(ds.transpose(-1, -2), qf[rows]) * scale, groups)
+                    dv = _sum_heads(torch.matmul(p.transpose(-1, -2), dout[rows]), groups)
                 dkv[:, :, :, block.cols] += torch.stack([dk, dv])
             if requests:
                 _wait(requests)
