@@ -40,6 +40,11 @@ ALLOWED: dict[tuple[str, str], str] = {
         "bitsandbytes' kernels are CUDA's own; on any other device its torch path is probed before use",
     ("twinkle-backend-hf/twinkle_backend_hf/quantization.py", "check_export"):
         "GPTQ / AWQ calibration (gptqmodel, autoawq, llm-compressor) needs a CUDA GPU: refused elsewhere by name",
+    ("twinkle-backend-hf/twinkle_backend_hf/sequence_parallel/ring_blocks.py", "torch_block_attention"):
+        "torch's fused attention ops that return the log-sum-exp are per device: FlashAttention-2 and the "
+        "memory-efficient kernel exist for CUDA only, FlashAttention for the CPU under another name",
+    ("twinkle-backend-hf/twinkle_backend_hf/sequence_parallel/ring_blocks.py", "default_block_attention"):
+        "the devices torch has those fused ops for (CPU and CUDA); any other device keeps the plain products",
 }
 
 _DEVICE_LITERAL = re.compile(r"(cuda|nccl)(:\d*)?", re.IGNORECASE)
