@@ -180,7 +180,7 @@ def _build_group_class() -> type:
     combine = {"SUM": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum}
 
     class CompletedWork(dist._Work):  # noqa: SLF001 - the base class torch gives Python process groups
-        """The all-reduce is synchronous: its work is done when it is returned."""
+        """The shared-memory collectives are synchronous: their work is done when it is returned."""
 
         def __init__(self, result: Any) -> None:
             super().__init__()
@@ -251,10 +251,11 @@ def _build_group_class() -> type:
 
         def allreduce_coalesced(self, tensors: list[Any], opts: Any = None) -> Any:
             opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-            if not self._in_shared_memory(tensors, opts.reduceOp):
+            name = _op_name(opts.reduceOp)
+            if not self._in_shared_memory(tensors, name):
                 return self._gloo.allreduce_coalesced(tensors, opts)
             for tensor in tensors:
-                self._all_reduce(tensor, opts.reduceOp)
+                self._all_reduce(tensor, name)
             return CompletedWork(tensors)
 
         def allreduce(self, tensors: Any, opts: Any = None) -> Any:
@@ -264,15 +265,15 @@ def _build_group_class() -> type:
                 op, opts = opts, dist.AllreduceOptions()
                 if op is not None:
                     opts.reduceOp = op
-            if not self._in_shared_memory(tensors, opts.reduceOp):
+            name = _op_name(opts.reduceOp)
+            if not self._in_shared_memory(tensors, name):
                 return self._gloo.allreduce(tensors, opts)
             for tensor in tensors:
-                self._all_reduce(tensor, opts.reduceOp)
+                self._all_reduce(tensor, name)
             return CompletedWork(tensors)
 
         # ---------------------------------------------------------------- the shared-memory path
-        def _in_shared_memory(self, tensors: list[Any], op: Any) -> bool:
-            name = _op_name(op)
+        def _in_shared_memory(self, tensors: list[Any], name: str) -> bool:
             if self._size == 1 or name not in _ELEMENTWISE_OPS:
                 return False
             if name != "SUM" and any(t.is_complex() for t in tensors):
@@ -297,8 +298,7 @@ def _build_group_class() -> type:
                 self._segment = _open_segment(self._store, self._rank, self._size, self._timeout_s)
             return self._segment is not None
 
-        def _all_reduce(self, tensor: Any, op: Any) -> None:
-            name = _op_name(op)
+        def _all_reduce(self, tensor: Any, name: str) -> None:
             flat = torch.view_as_real(tensor).view(-1) if tensor.is_complex() else tensor.view(-1)
             per_chunk = SLOT_BYTES // flat.element_size()
             with torch.profiler.record_function(PROFILER_EVENT):  # so a profile tells it from computation
@@ -346,15 +346,15 @@ def _build_group_class() -> type:
                 if waited > self._timeout_s:
                     late = [r for r in range(self._size) if int(flags[r]) < target]
                     raise RuntimeError(
-                        f"shared-memory all-reduce: rank(s) {late} of this group did not reach collective "
+                        f"shared-memory collective: rank(s) {late} of this group did not reach collective "
                         f"#{target} within {self._timeout_s:.0f} s (this is rank {self._rank}); a peer crashed "
-                        f"or skipped a collective. Set {ENV_SWITCH}=0 to use gloo's all-reduce instead")
+                        f"or skipped a collective. Set {ENV_SWITCH}=0 to use gloo's collectives instead")
                 if waited < _YIELD_SECONDS:
                     os.sched_yield()
                 else:
                     time.sleep(_SLEEP_SECONDS)
 
-    # Every collective but the all-reduce is gloo's. torch calls a Python process group's methods holding the
+    # Every other collective is gloo's. torch calls a Python process group's methods holding the
     # GIL (from Python, and from C++ such as the functional collectives), and gloo's worker thread may need the
     # GIL to finish an earlier collective: a call that reached gloo through the C++ base class would wait on that
     # thread while holding the GIL. So each one is defined here and goes to gloo's own binding, which releases it.
